@@ -1,0 +1,57 @@
+"""The output-rate settings an engine runs with.
+
+The plugin parses the server flags into an ``OutputRateConfig`` and stores it
+in ``VllmConfig.additional_config[CONFIG_KEY]`` as a plain dict, because that
+is what vLLM serializes into the engine-core process. The scheduler reads it
+back with ``OutputRateConfig.from_vllm_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_ext.limiter import validate_rate
+
+CONFIG_KEY = "output_rate"
+
+
+@dataclass(frozen=True)
+class OutputRateConfig:
+    default_rate: int | None = None
+    user_rates: dict[str, int | None] = field(default_factory=dict)
+    control_plane_endpoint: str | None = None
+    engine_id: str | None = None
+    # CURVE public key (z85) of the control plane; None = plain TCP.
+    control_plane_public_key: str | None = None
+    # How long startup waits for the first snapshot before serving with the
+    # flags' limits (seconds).
+    snapshot_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        validate_rate(self.default_rate, field="default_rate")
+        for user, rate in self.user_rates.items():
+            validate_rate(rate, field=f"rate of user {user!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """The feature is on when any of the limit flags or the endpoint is given."""
+        return (
+            self.default_rate is not None
+            or bool(self.user_rates)
+            or self.control_plane_endpoint is not None
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OutputRateConfig:
+        return cls(**data)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> OutputRateConfig:
+        extra = getattr(vllm_config, "additional_config", None)
+        if isinstance(extra, dict) and isinstance(extra.get(CONFIG_KEY), dict):
+            return cls.from_dict(extra[CONFIG_KEY])
+        return cls()

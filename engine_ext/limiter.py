@@ -1,0 +1,180 @@
+"""Per-user GCRA output-token limiter.
+
+Pure Python: imports nothing from vLLM and reads time only through the
+injected ``clock_ns``, so it can be driven by a fake clock in tests.
+
+Each limited user keeps one theoretical arrival time (TAT). A token is allowed
+when ``TAT - now <= burst``; taking it moves ``TAT = max(TAT, now) + 1/rate``.
+Times are stored multiplied by the user's rate, so ``1/rate`` seconds is
+exactly ``NS_PER_S`` units and the arithmetic stays in integers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+NS_PER_S = 1_000_000_000
+DEFAULT_BURST_NS = 100_000_000
+MIN_RATE = 1
+MAX_RATE = 1_000_000
+ANONYMOUS_USER = "__anonymous__"
+
+# Marks "no per-user override": the default rate applies.
+_NO_OVERRIDE = object()
+
+
+def validate_rate(rate: object, *, field: str = "rate") -> int | None:
+    """Return ``rate`` if it is a valid limit (int in range, or None = unlimited)."""
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, int):
+        raise TypeError(f"{field} must be an integer or null, got {type(rate).__name__}")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"{field} must be between {MIN_RATE} and {MAX_RATE} tokens/s, got {rate}")
+    return rate
+
+
+class _UserState:
+    """GCRA state of one user: TAT in ns, scaled by the rate it was stored at."""
+
+    __slots__ = ("rate", "tat_scaled")
+
+    def __init__(self, tat_scaled: int, rate: int) -> None:
+        self.tat_scaled = tat_scaled
+        self.rate = rate
+
+    def rescale(self, new_rate: int) -> None:
+        # Keep the TAT at the same point in real time; round up so a rate
+        # change never hands out a token earlier than the old schedule did.
+        self.tat_scaled = -(-self.tat_scaled * new_rate // self.rate)
+        self.rate = new_rate
+
+
+class OutputRateLimiter:
+    def __init__(
+        self,
+        default_rate: int | None,
+        user_rates: Mapping[str, int | None] | None = None,
+        *,
+        burst_ns: int = DEFAULT_BURST_NS,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if burst_ns < 0:
+            raise ValueError(f"burst_ns must be >= 0, got {burst_ns}")
+        self._burst_ns = burst_ns
+        self._clock_ns = clock_ns
+        self._default_rate = validate_rate(default_rate, field="default_rate")
+        # user -> override rate (None = unlimited for that user).
+        self._user_rates: dict[str, int | None] = {}
+        # user -> GCRA state; only users limited at some point keep one.
+        self._states: dict[str, _UserState] = {}
+        for user, rate in (user_rates or {}).items():
+            self._user_rates[user] = validate_rate(rate, field=f"rate of user {user!r}")
+
+    # ---- queries -------------------------------------------------------
+
+    @property
+    def default_rate(self) -> int | None:
+        return self._default_rate
+
+    @property
+    def burst_ns(self) -> int:
+        return self._burst_ns
+
+    def user_rates(self) -> dict[str, int | None]:
+        """A copy of the per-user overrides."""
+        return dict(self._user_rates)
+
+    def rate_of(self, user: str) -> int | None:
+        rate = self._user_rates.get(user, _NO_OVERRIDE)
+        return self._default_rate if rate is _NO_OVERRIDE else rate  # type: ignore[return-value]
+
+    @property
+    def is_unlimited(self) -> bool:
+        """True when no user can ever be refused."""
+        return self._default_rate is None and all(r is None for r in self._user_rates.values())
+
+    @property
+    def num_tracked_users(self) -> int:
+        return len(self._states)
+
+    # ---- hot path ------------------------------------------------------
+
+    def try_take(self, user: str) -> bool:
+        rate = self._user_rates.get(user, _NO_OVERRIDE)
+        if rate is _NO_OVERRIDE:
+            rate = self._default_rate
+        if rate is None:
+            return True
+        now_scaled = self._clock_ns() * rate  # type: ignore[operator]
+        state = self._states.get(user)
+        if state is None:
+            self._states[user] = _UserState(now_scaled + NS_PER_S, rate)  # type: ignore[arg-type]
+            return True
+        if state.rate != rate:
+            state.rescale(rate)  # type: ignore[arg-type]
+        tat = state.tat_scaled
+        if tat - now_scaled > self._burst_ns * rate:  # type: ignore[operator]
+            return False
+        state.tat_scaled = (tat if tat > now_scaled else now_scaled) + NS_PER_S
+        return True
+
+    def refund(self, user: str) -> None:
+        state = self._states.get(user)
+        if state is None or self.rate_of(user) is None:
+            return
+        state.tat_scaled -= NS_PER_S
+
+    def ready_at_ns(self, user: str) -> int:
+        """Earliest clock time at which ``try_take(user)`` can succeed."""
+        rate = self.rate_of(user)
+        state = self._states.get(user)
+        if rate is None or state is None:
+            return 0
+        if state.rate != rate:
+            state.rescale(rate)
+        # ceil((tat - burst*rate) / rate)
+        return -(-(state.tat_scaled - self._burst_ns * rate) // rate)
+
+    # ---- hot swap ------------------------------------------------------
+
+    def set_rate(self, user: str, rate: int | None) -> None:
+        self._user_rates[user] = validate_rate(rate, field=f"rate of user {user!r}")
+        if rate is None:
+            self._states.pop(user, None)
+
+    def clear_rate(self, user: str) -> None:
+        self._user_rates.pop(user, None)
+        if self._default_rate is None:
+            self._states.pop(user, None)
+
+    def set_default_rate(self, rate: int | None) -> None:
+        self._default_rate = validate_rate(rate, field="default_rate")
+        if rate is None:
+            self._drop_unlimited_states()
+
+    def replace_all(
+        self, default_rate: int | None, user_rates: Mapping[str, int | None]
+    ) -> None:
+        """Install a whole snapshot; users keep their TAT in real time."""
+        new_default = validate_rate(default_rate, field="default_rate")
+        new_rates = {
+            user: validate_rate(rate, field=f"rate of user {user!r}")
+            for user, rate in user_rates.items()
+        }
+        self._default_rate = new_default
+        self._user_rates = new_rates
+        self._drop_unlimited_states()
+
+    def cleanup_idle_users(self) -> None:
+        """Forget users whose TAT is behind now; re-creating them is equivalent."""
+        now = self._clock_ns()
+        idle = [u for u, s in self._states.items() if s.tat_scaled <= now * s.rate]
+        for user in idle:
+            del self._states[user]
+
+    def _drop_unlimited_states(self) -> None:
+        unlimited = [u for u in self._states if self.rate_of(u) is None]
+        for user in unlimited:
+            del self._states[user]

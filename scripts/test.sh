@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command: set up, then lint, type-check and run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV=${OUTPUT_RATE_VENV:-$PWD/.venv}
+export PATH="$VENV/bin:$PATH"
+
+# PostgreSQL is started by this machine kind; start it if it is down.
+if command -v pg_ctlcluster >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start || true
+fi
+
+echo "== ruff"
+ruff check control_plane engine_ext tests scripts bench migrations
+ruff format --check control_plane engine_ext tests scripts bench migrations
+echo "== mypy"
+mypy
+echo "== pytest"
+python -m pytest "$@"
