@@ -71,6 +71,10 @@ class OutputRateLimiter:
         self._states: dict[str, _UserState] = {}
         for user, rate in (user_rates or {}).items():
             self._user_rates[user] = validate_rate(rate, field=f"rate of user {user!r}")
+        # Overrides with a finite rate; with the default, decides is_unlimited.
+        self._num_limited_overrides = sum(r is not None for r in self._user_rates.values())
+        # Cached so the scheduler can check it every step for free.
+        self._is_unlimited = self._compute_unlimited()
 
     # ---- queries -------------------------------------------------------
 
@@ -93,7 +97,10 @@ class OutputRateLimiter:
     @property
     def is_unlimited(self) -> bool:
         """True when no user can ever be refused."""
-        return self._default_rate is None and all(r is None for r in self._user_rates.values())
+        return self._is_unlimited
+
+    def _compute_unlimited(self) -> bool:
+        return self._default_rate is None and self._num_limited_overrides == 0
 
     @property
     def num_tracked_users(self) -> int:
@@ -140,19 +147,25 @@ class OutputRateLimiter:
     # ---- hot swap ------------------------------------------------------
 
     def set_rate(self, user: str, rate: int | None) -> None:
-        self._user_rates[user] = validate_rate(rate, field=f"rate of user {user!r}")
+        validate_rate(rate, field=f"rate of user {user!r}")
+        self._forget_override(user)
+        self._user_rates[user] = rate
+        self._num_limited_overrides += rate is not None
         if rate is None:
             self._states.pop(user, None)
+        self._is_unlimited = self._compute_unlimited()
 
     def clear_rate(self, user: str) -> None:
-        self._user_rates.pop(user, None)
+        self._forget_override(user)
         if self._default_rate is None:
             self._states.pop(user, None)
+        self._is_unlimited = self._compute_unlimited()
 
     def set_default_rate(self, rate: int | None) -> None:
         self._default_rate = validate_rate(rate, field="default_rate")
         if rate is None:
             self._drop_unlimited_states()
+        self._is_unlimited = self._compute_unlimited()
 
     def replace_all(
         self, default_rate: int | None, user_rates: Mapping[str, int | None]
@@ -165,7 +178,9 @@ class OutputRateLimiter:
         }
         self._default_rate = new_default
         self._user_rates = new_rates
+        self._num_limited_overrides = sum(r is not None for r in new_rates.values())
         self._drop_unlimited_states()
+        self._is_unlimited = self._compute_unlimited()
 
     def cleanup_idle_users(self) -> None:
         """Forget users whose TAT is behind now; re-creating them is equivalent."""
@@ -173,6 +188,10 @@ class OutputRateLimiter:
         idle = [u for u, s in self._states.items() if s.tat_scaled <= now * s.rate]
         for user in idle:
             del self._states[user]
+
+    def _forget_override(self, user: str) -> None:
+        if self._user_rates.pop(user, None) is not None:
+            self._num_limited_overrides -= 1
 
     def _drop_unlimited_states(self) -> None:
         unlimited = [u for u in self._states if self.rate_of(u) is None]

@@ -1,0 +1,408 @@
+"""vLLM 0.32.0 scheduler subclasses that enforce per-user output-token rates.
+
+The upstream ``schedule()`` is wrapped, never copied:
+
+- Before it, every running request whose step would *sample* (a decode, or the
+  prefill chunk that can reach the end of the known sequence) is charged one
+  token. A refused request is skipped for this step through the upstream
+  ``next_decode_eligible_step`` hook: it stays in ``running`` with its KV
+  blocks and slot, and is moved to the tail of ``running`` so that it is the
+  first preemption victim when KV blocks run short. The admission cap
+  (``max_num_active_reqs``) is raised by the number of throttled requests for
+  this step, so they do not hold active slots; the worker-slot count
+  (``max_num_running_reqs``) still bounds residency.
+- Waiting requests are charged before they are offered to upstream admission;
+  those of a user without budget are held back this step.
+- After it, charged requests that did not end up sampling (no KV blocks,
+  preempted, budget ran out, chunk stopped short) are refunded: the single
+  refund point.
+
+``update_from_output()`` is not touched, so asynchronous scheduling works.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from engine_ext.config import OutputRateConfig
+from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+USER_ARG = "output_rate_user"
+MAX_WAIT_S = 0.05
+# How often idle limiter state and rotation bookkeeping are pruned.
+CLEANUP_INTERVAL_STEPS = 256
+# Bound on waiting requests examined per step, so a deep queue of throttled
+# users' requests cannot make every step O(queue).
+MAX_WAITING_SCAN = 1024
+USAGE_REPORT_INTERVAL_NS = 1_000_000_000
+
+
+def request_user(request: Request) -> str:
+    """The rate-limit identity of a request (``vllm_xargs.output_rate_user``)."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    user = extra.get(USER_ARG) if extra else None
+    return user if isinstance(user, str) and user else ANONYMOUS_USER
+
+
+class _StepPlan:
+    """What the pre-pass decided for one ``schedule()`` call."""
+
+    __slots__ = ("charged", "held_waiting", "num_throttled_running", "skipped")
+
+    def __init__(self) -> None:
+        # Requests charged one token this step (running and waiting).
+        self.charged: list[Request] = []
+        # Running requests skipped this step (throttled or parked).
+        self.skipped: list[Request] = []
+        self.num_throttled_running = 0
+        # Waiting requests held back from admission, in queue order.
+        self.held_waiting: list[Request] = []
+
+
+class OutputRateMixin:
+    """Per-user output-rate enforcement around ``Scheduler.schedule()``.
+
+    Mixed into both upstream scheduler classes; relies on their attributes.
+    """
+
+    running: list[Request]
+    waiting: Any
+    requests: dict[str, Request]
+    current_step: int
+    max_num_active_reqs: int
+    max_num_running_reqs: int
+    max_num_scheduled_tokens: int
+    policy: Any
+
+    def _init_output_rate(self, vllm_config: Any) -> None:
+        self.output_rate_config = OutputRateConfig.from_vllm_config(vllm_config)
+        self.output_rate_limiter = OutputRateLimiter(
+            self.output_rate_config.default_rate, self.output_rate_config.user_rates
+        )
+        self.output_rate_clock_ns: Callable[[], int] = time.monotonic_ns
+        # Earliest time a user refused in the last schedule() gets budget again.
+        self.output_rate_wakeup_ns: int | None = None
+        # Set by the EngineCore patch; called (from any thread) to end an idle wait.
+        self.wake_engine: Callable[[], None] = lambda: None
+        # user -> request id of the stream that was served last (rotation).
+        self._last_served_req: dict[str, str] = {}
+        # user -> last step in which one of its requests was served (fairness).
+        self._last_served_step: dict[str, int] = {}
+        # user -> tokens granted / requests throttled since the last usage report.
+        self.num_granted: dict[str, int] = {}
+        self.num_throttled: dict[str, int] = {}
+        self._next_usage_report_ns = 0
+        self.push_client: Any = None
+        if self.output_rate_config.control_plane_endpoint:
+            self._start_push_client(vllm_config)
+
+    def use_fake_clock(self, clock_ns: Callable[[], int]) -> None:
+        """Test seam: drive the limiter and the wake-up time from a fake clock."""
+        self.output_rate_clock_ns = clock_ns
+        limiter = self.output_rate_limiter
+        self.output_rate_limiter = OutputRateLimiter(
+            limiter.default_rate, limiter.user_rates(), clock_ns=clock_ns
+        )
+
+    # ---- vLLM hooks -----------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.output_rate_user = request_user(request)  # type: ignore[attr-defined]
+        super().add_request(request)  # type: ignore[misc]
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._apply_control_plane_updates()
+        limiter = self.output_rate_limiter
+        if limiter.is_unlimited:
+            self.output_rate_wakeup_ns = None
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+
+        plan = _StepPlan()
+        # schedule() increments current_step first; this is the step it will run.
+        step = self.current_step + 1
+        self.output_rate_wakeup_ns = None
+        self._plan_running(plan, step)
+        saved_waiting = self._hold_back_waiting(plan)
+        saved_active_cap = self.max_num_active_reqs
+        if plan.num_throttled_running:
+            self.max_num_active_reqs = min(
+                saved_active_cap + plan.num_throttled_running, self.max_num_running_reqs
+            )
+        try:
+            output = super().schedule(throttle_prefills)  # type: ignore[misc]
+        finally:
+            self.max_num_active_reqs = saved_active_cap
+            if saved_waiting is not None:
+                self._restore_waiting(saved_waiting, plan)
+        self._settle(plan, output, step)
+        return output
+
+    # ---- pre-pass ---------------------------------------------------------
+
+    def _may_sample(self, request: Request, step: int) -> bool:
+        """Whether upstream could dispatch a sampling step for ``request`` now."""
+        num_remaining = (
+            request.num_tokens_with_spec
+            + request.num_output_placeholders
+            - request.num_computed_tokens
+        )
+        if num_remaining <= 0 or num_remaining > self.max_num_scheduled_tokens:
+            return False
+        if step < request.next_decode_eligible_step:
+            return False
+        # Upstream's async look-ahead stop: the last step was already dispatched.
+        return not (
+            request.num_output_placeholders > 0
+            and request.num_computed_tokens + 2 - request.num_output_placeholders
+            >= request.num_prompt_tokens + request.max_tokens
+        )
+
+    def _plan_running(self, plan: _StepPlan, step: int) -> None:
+        limiter = self.output_rate_limiter
+        # user -> that user's sampling candidates, in running order.
+        candidates: dict[str, list[Request]] = {}
+        num_busy = 0  # running requests that need no token (mid-prefill chunks)
+        for request in self.running:
+            if self._may_sample(request, step):
+                user = request.output_rate_user  # type: ignore[attr-defined]
+                streams = candidates.get(user)
+                if streams is None:
+                    candidates[user] = [request]
+                else:
+                    streams.append(request)
+            elif request.num_computed_tokens < request.num_tokens:
+                num_busy += 1
+
+        # user -> that user's charged requests, in rotation order.
+        granted: dict[str, list[Request]] = {}
+        throttled: list[Request] = []
+        for user, streams in candidates.items():
+            if len(streams) > 1:
+                streams = self._rotate(user, streams)
+            num_taken = 0
+            for request in streams:
+                if not limiter.try_take(user):
+                    break
+                num_taken += 1
+            if num_taken:
+                granted[user] = streams[:num_taken]
+            if num_taken < len(streams):
+                throttled.extend(streams[num_taken:])
+                self._note_refused(user, len(streams) - num_taken)
+
+        parked = self._park_over_active_cap(granted, num_busy)
+        for streams in granted.values():
+            plan.charged.extend(streams)
+        if not throttled and not parked:
+            return
+
+        plan.num_throttled_running = len(throttled)
+        plan.skipped = parked + throttled
+        skipped_ids = {id(r) for r in plan.skipped}
+        for request in plan.skipped:
+            if request.next_decode_eligible_step <= step:
+                request.next_decode_eligible_step = step + 1
+        # Skipped requests go to the tail, throttled last: upstream preempts
+        # from the tail, so they lose their KV blocks first.
+        self.running = [r for r in self.running if id(r) not in skipped_ids] + plan.skipped
+
+    def _rotate(self, user: str, streams: list[Request]) -> list[Request]:
+        """Start after the stream of ``user`` that was served last."""
+        last_id = self._last_served_req.get(user)
+        if last_id is None:
+            return streams
+        for i, request in enumerate(streams):
+            if request.request_id == last_id:
+                return streams[i + 1 :] + streams[: i + 1]
+        return streams
+
+    def _park_over_active_cap(self, granted: dict[str, list[Request]], num_busy: int) -> list[Request]:
+        """Refund and return the charged requests beyond the active cap.
+
+        Active slots go to the least recently served users first, so no user
+        is favoured for sitting early in ``running``.
+        """
+        num_free = self.max_num_active_reqs - num_busy
+        num_granted = sum(len(s) for s in granted.values())
+        if num_granted <= num_free:
+            return []
+        order = sorted(granted, key=lambda u: self._last_served_step.get(u, -1))
+        parked: list[Request] = []
+        limiter = self.output_rate_limiter
+        for user in order:
+            streams = granted[user]
+            keep = max(0, min(len(streams), num_free))
+            num_free -= keep
+            for request in streams[keep:]:
+                limiter.refund(user)
+                parked.append(request)
+            if keep:
+                granted[user] = streams[:keep]
+            else:
+                del granted[user]
+        return parked
+
+    def _note_refused(self, user: str, num_requests: int) -> None:
+        self.num_throttled[user] = self.num_throttled.get(user, 0) + num_requests
+        ready_at = self.output_rate_limiter.ready_at_ns(user)
+        if self.output_rate_wakeup_ns is None or ready_at < self.output_rate_wakeup_ns:
+            self.output_rate_wakeup_ns = ready_at
+
+    def _hold_back_waiting(self, plan: _StepPlan) -> Any:
+        """Charge the waiting requests upstream may admit; hide the rest.
+
+        Returns the original waiting queue (now holding only the unexamined
+        tail) when upstream is given a filtered queue, else None.
+        """
+        if not self.waiting:
+            return None
+        cap = min(
+            self.max_num_active_reqs + plan.num_throttled_running, self.max_num_running_reqs
+        )
+        num_slots = cap - len(self.running)
+        if num_slots <= 0:
+            return None
+        limiter = self.output_rate_limiter
+        original = self.waiting
+        offered = create_request_queue(self.policy)
+        refused_users: set[str] = set()
+        num_scanned = 0
+        while original and len(offered) < num_slots and num_scanned < MAX_WAITING_SCAN:
+            request = original.pop_request()
+            num_scanned += 1
+            user = request.output_rate_user
+            if user not in refused_users and limiter.try_take(user):
+                plan.charged.append(request)
+                offered.add_request(request)
+            else:
+                if user not in refused_users:
+                    refused_users.add(user)
+                    self._note_refused(user, 1)
+                plan.held_waiting.append(request)
+        self.waiting = offered
+        return original
+
+    def _restore_waiting(self, original: Any, plan: _StepPlan) -> None:
+        # What upstream left in the offered queue (not admitted, skipped, or
+        # preempted this step) goes back in front, then the held-back ones.
+        leftover = list(self.waiting)
+        front = leftover + plan.held_waiting
+        original.prepend_requests(reversed(front))
+        self.waiting = original
+
+    # ---- the single refund point ------------------------------------------
+
+    def _settle(self, plan: _StepPlan, output: SchedulerOutput, step: int) -> None:
+        limiter = self.output_rate_limiter
+        scheduled = output.num_scheduled_tokens
+        num_granted = self.num_granted
+        for request in plan.charged:
+            user = request.output_rate_user  # type: ignore[attr-defined]
+            if request.request_id not in scheduled or request.is_prefill_chunk:
+                limiter.refund(user)
+                continue
+            num_granted[user] = num_granted.get(user, 0) + 1
+            self._last_served_req[user] = request.request_id
+            self._last_served_step[user] = step
+        if step % CLEANUP_INTERVAL_STEPS == 0:
+            self._cleanup()
+        self._maybe_report_usage()
+
+    def _cleanup(self) -> None:
+        self.output_rate_limiter.cleanup_idle_users()
+        live_users = {r.output_rate_user for r in self.requests.values()}  # type: ignore[attr-defined]
+        for table in (self._last_served_req, self._last_served_step):
+            for user in [u for u in table if u not in live_users]:
+                del table[user]
+
+    # ---- engine loop and control plane -------------------------------------
+
+    def output_rate_wait_s(self, now_ns: int | None = None) -> float:
+        """How long an engine whose step ran no model may wait for input."""
+        wakeup = self.output_rate_wakeup_ns
+        if wakeup is None:
+            return MAX_WAIT_S
+        now = self.output_rate_clock_ns() if now_ns is None else now_ns
+        return max(0.0, min(MAX_WAIT_S, (wakeup - now) / 1e9))
+
+    def _start_push_client(self, vllm_config: Any) -> None:
+        from engine_ext.push_client import PushClient
+
+        config = self.output_rate_config
+        assert config.control_plane_endpoint is not None
+        client = PushClient(
+            endpoint=config.control_plane_endpoint,
+            engine_id=config.engine_id or "engine",
+            model=str(vllm_config.model_config.served_model_name or ""),
+            server_public_key=config.control_plane_public_key,
+            wake=lambda: self.wake_engine(),
+        )
+        client.start()
+        self.push_client = client
+        if client.wait_for_snapshot(config.snapshot_timeout_s):
+            client.apply_pending(self.output_rate_limiter)
+        else:
+            logger.warning(
+                "output-rate: control plane %s not reachable within %.1fs; "
+                "serving with the limits from the command line until it answers",
+                config.control_plane_endpoint,
+                config.snapshot_timeout_s,
+            )
+
+    def _apply_control_plane_updates(self) -> None:
+        if self.push_client is not None:
+            self.push_client.apply_pending(self.output_rate_limiter)
+
+    def _maybe_report_usage(self) -> None:
+        if self.push_client is None:
+            return
+        now = self.output_rate_clock_ns()
+        if now < self._next_usage_report_ns:
+            return
+        self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
+        self.push_client.report_usage(granted=self.num_granted, throttled=self.num_throttled)
+        self.num_granted = {}
+        self.num_throttled = {}
+
+    def shutdown(self) -> None:
+        if self.push_client is not None:
+            self.push_client.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class OutputRateScheduler(OutputRateMixin, Scheduler):
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self._init_output_rate(vllm_config)
+
+
+class OutputRateAsyncScheduler(OutputRateMixin, AsyncScheduler):
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self._init_output_rate(vllm_config)
+
+
+def scheduler_class_for(async_scheduling: bool) -> type[Scheduler]:
+    return OutputRateAsyncScheduler if async_scheduling else OutputRateScheduler
+
+
+__all__: Iterable[str] = (
+    "OutputRateAsyncScheduler",
+    "OutputRateScheduler",
+    "request_user",
+    "scheduler_class_for",
+)
