@@ -7,6 +7,10 @@ Each limited user keeps one theoretical arrival time (TAT). A token is allowed
 when ``TAT - now <= burst``; taking it moves ``TAT = max(TAT, now) + 1/rate``.
 Times are stored multiplied by the user's rate, so ``1/rate`` seconds is
 exactly ``NS_PER_S`` units and the arithmetic stays in integers.
+
+A rate change is applied lazily, at the user's next use: lowering keeps the
+TAT at the same point in real time (the user waits at most one old interval);
+raising re-prices the tokens still owed at the new rate (faster at once).
 """
 
 from __future__ import annotations
@@ -19,9 +23,6 @@ DEFAULT_BURST_NS = 100_000_000
 MIN_RATE = 1
 MAX_RATE = 1_000_000
 ANONYMOUS_USER = "__anonymous__"
-
-# Marks "no per-user override": the default rate applies.
-_NO_OVERRIDE = object()
 
 
 def validate_rate(rate: object, *, field: str = "rate") -> int | None:
@@ -44,10 +45,18 @@ class _UserState:
         self.tat_scaled = tat_scaled
         self.rate = rate
 
-    def rescale(self, new_rate: int) -> None:
-        # Keep the TAT at the same point in real time; round up so a rate
-        # change never hands out a token earlier than the old schedule did.
-        self.tat_scaled = -(-self.tat_scaled * new_rate // self.rate)
+    def rescale(self, new_rate: int, now_ns: int) -> None:
+        old_rate = self.rate
+        debt = self.tat_scaled - now_ns * old_rate
+        if new_rate > old_rate and debt > 0:
+            # Raising: the tokens still owed are repaid at the new, faster
+            # rate, so the user speeds up at once.
+            self.tat_scaled = now_ns * new_rate + debt
+        else:
+            # Lowering: the TAT stays at the same point in real time (rounded
+            # up), so the user waits at most one old interval, never a backlog
+            # re-priced at the new rate.
+            self.tat_scaled = -(-self.tat_scaled * new_rate // old_rate)
         self.rate = new_rate
 
 
@@ -91,8 +100,8 @@ class OutputRateLimiter:
         return dict(self._user_rates)
 
     def rate_of(self, user: str) -> int | None:
-        rate = self._user_rates.get(user, _NO_OVERRIDE)
-        return self._default_rate if rate is _NO_OVERRIDE else rate  # type: ignore[return-value]
+        # An override of None (unlimited) wins over the default.
+        return self._user_rates.get(user, self._default_rate)
 
     @property
     def is_unlimited(self) -> bool:
@@ -109,20 +118,19 @@ class OutputRateLimiter:
     # ---- hot path ------------------------------------------------------
 
     def try_take(self, user: str) -> bool:
-        rate = self._user_rates.get(user, _NO_OVERRIDE)
-        if rate is _NO_OVERRIDE:
-            rate = self._default_rate
+        rate = self._user_rates.get(user, self._default_rate)
         if rate is None:
             return True
-        now_scaled = self._clock_ns() * rate  # type: ignore[operator]
+        now = self._clock_ns()
+        now_scaled = now * rate
         state = self._states.get(user)
         if state is None:
-            self._states[user] = _UserState(now_scaled + NS_PER_S, rate)  # type: ignore[arg-type]
+            self._states[user] = _UserState(now_scaled + NS_PER_S, rate)
             return True
         if state.rate != rate:
-            state.rescale(rate)  # type: ignore[arg-type]
+            state.rescale(rate, now)
         tat = state.tat_scaled
-        if tat - now_scaled > self._burst_ns * rate:  # type: ignore[operator]
+        if tat - now_scaled > self._burst_ns * rate:
             return False
         state.tat_scaled = (tat if tat > now_scaled else now_scaled) + NS_PER_S
         return True
@@ -140,7 +148,7 @@ class OutputRateLimiter:
         if rate is None or state is None:
             return 0
         if state.rate != rate:
-            state.rescale(rate)
+            state.rescale(rate, self._clock_ns())
         # ceil((tat - burst*rate) / rate)
         return -(-(state.tat_scaled - self._burst_ns * rate) // rate)
 
@@ -167,9 +175,7 @@ class OutputRateLimiter:
             self._drop_unlimited_states()
         self._is_unlimited = self._compute_unlimited()
 
-    def replace_all(
-        self, default_rate: int | None, user_rates: Mapping[str, int | None]
-    ) -> None:
+    def replace_all(self, default_rate: int | None, user_rates: Mapping[str, int | None]) -> None:
         """Install a whole snapshot; users keep their TAT in real time."""
         new_default = validate_rate(default_rate, field="default_rate")
         new_rates = {

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -61,14 +61,17 @@ def request_user(request: Request) -> str:
 class _StepPlan:
     """What the pre-pass decided for one ``schedule()`` call."""
 
-    __slots__ = ("charged", "held_waiting", "num_throttled_running", "skipped")
+    __slots__ = ("charged_waiting", "granted", "held_waiting", "parked", "throttled")
 
     def __init__(self) -> None:
-        # Requests charged one token this step (running and waiting).
-        self.charged: list[Request] = []
-        # Running requests skipped this step (throttled or parked).
-        self.skipped: list[Request] = []
-        self.num_throttled_running = 0
+        # user -> that user's charged running requests, in rotation order.
+        self.granted: dict[str, list[Request]] = {}
+        # Running requests refused a token; skipped this step.
+        self.throttled: list[Request] = []
+        # Running requests with a token but no active slot; skipped, refunded.
+        self.parked: list[Request] = []
+        # Waiting requests charged and offered to upstream admission.
+        self.charged_waiting: list[Request] = []
         # Waiting requests held back from admission, in queue order.
         self.held_waiting: list[Request] = []
 
@@ -137,11 +140,10 @@ class OutputRateMixin:
         self.output_rate_wakeup_ns = None
         self._plan_running(plan, step)
         saved_waiting = self._hold_back_waiting(plan)
+        self._skip_running(plan, step)
         saved_active_cap = self.max_num_active_reqs
-        if plan.num_throttled_running:
-            self.max_num_active_reqs = min(
-                saved_active_cap + plan.num_throttled_running, self.max_num_running_reqs
-            )
+        if plan.throttled:
+            self.max_num_active_reqs = self._admission_cap(plan)
         try:
             output = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
@@ -187,14 +189,13 @@ class OutputRateMixin:
             elif request.num_computed_tokens < request.num_tokens:
                 num_busy += 1
 
-        # user -> that user's charged requests, in rotation order.
-        granted: dict[str, list[Request]] = {}
-        throttled: list[Request] = []
+        granted = plan.granted
+        throttled = plan.throttled
         for user, streams in candidates.items():
             if len(streams) > 1:
                 streams = self._rotate(user, streams)
             num_taken = 0
-            for request in streams:
+            for _ in streams:
                 if not limiter.try_take(user):
                     break
                 num_taken += 1
@@ -204,21 +205,23 @@ class OutputRateMixin:
                 throttled.extend(streams[num_taken:])
                 self._note_refused(user, len(streams) - num_taken)
 
-        parked = self._park_over_active_cap(granted, num_busy)
-        for streams in granted.values():
-            plan.charged.extend(streams)
-        if not throttled and not parked:
-            return
+        plan.parked = self._park_over_active_cap(granted, num_busy)
 
-        plan.num_throttled_running = len(throttled)
-        plan.skipped = parked + throttled
-        skipped_ids = {id(r) for r in plan.skipped}
-        for request in plan.skipped:
+    def _skip_running(self, plan: _StepPlan, step: int) -> None:
+        skipped = plan.parked + plan.throttled
+        if not skipped:
+            return
+        for request in skipped:
             if request.next_decode_eligible_step <= step:
                 request.next_decode_eligible_step = step + 1
         # Skipped requests go to the tail, throttled last: upstream preempts
         # from the tail, so they lose their KV blocks first.
-        self.running = [r for r in self.running if id(r) not in skipped_ids] + plan.skipped
+        skipped_ids = {id(r) for r in skipped}
+        self.running = [r for r in self.running if id(r) not in skipped_ids] + skipped
+
+    def _admission_cap(self, plan: _StepPlan) -> int:
+        """Throttled requests hold a worker slot but no active slot."""
+        return min(self.max_num_active_reqs + len(plan.throttled), self.max_num_running_reqs)
 
     def _rotate(self, user: str, streams: list[Request]) -> list[Request]:
         """Start after the stream of ``user`` that was served last."""
@@ -230,7 +233,9 @@ class OutputRateMixin:
                 return streams[i + 1 :] + streams[: i + 1]
         return streams
 
-    def _park_over_active_cap(self, granted: dict[str, list[Request]], num_busy: int) -> list[Request]:
+    def _park_over_active_cap(
+        self, granted: dict[str, list[Request]], num_busy: int
+    ) -> list[Request]:
         """Refund and return the charged requests beyond the active cap.
 
         Active slots go to the least recently served users first, so no user
@@ -270,23 +275,22 @@ class OutputRateMixin:
         """
         if not self.waiting:
             return None
-        cap = min(
-            self.max_num_active_reqs + plan.num_throttled_running, self.max_num_running_reqs
-        )
-        num_slots = cap - len(self.running)
-        if num_slots <= 0:
-            return None
         limiter = self.output_rate_limiter
         original = self.waiting
         offered = create_request_queue(self.policy)
         refused_users: set[str] = set()
         num_scanned = 0
-        while original and len(offered) < num_slots and num_scanned < MAX_WAITING_SCAN:
+        while (
+            original
+            and len(offered) < self._admission_cap(plan) - len(self.running)
+            and num_scanned < MAX_WAITING_SCAN
+        ):
             request = original.pop_request()
             num_scanned += 1
             user = request.output_rate_user
-            if user not in refused_users and limiter.try_take(user):
-                plan.charged.append(request)
+            has_budget = user not in refused_users and limiter.try_take(user)
+            if has_budget or self._steal_turn(plan, user):
+                plan.charged_waiting.append(request)
                 offered.add_request(request)
             else:
                 if user not in refused_users:
@@ -295,6 +299,22 @@ class OutputRateMixin:
                 plan.held_waiting.append(request)
         self.waiting = offered
         return original
+
+    def _steal_turn(self, plan: _StepPlan, user: str) -> bool:
+        """Give a token granted to one of ``user``'s running streams to a waiting one.
+
+        A waiting stream has never been served, so in the user's rotation it
+        comes before every running stream; without this, running streams that
+        keep the budget busy would starve the user's queued requests forever.
+        """
+        streams = plan.granted.get(user)
+        if not streams:
+            return False
+        plan.throttled.append(streams.pop())
+        self._note_refused(user, 1)
+        if not streams:
+            del plan.granted[user]
+        return True
 
     def _restore_waiting(self, original: Any, plan: _StepPlan) -> None:
         # What upstream left in the offered queue (not admitted, skipped, or
@@ -310,7 +330,10 @@ class OutputRateMixin:
         limiter = self.output_rate_limiter
         scheduled = output.num_scheduled_tokens
         num_granted = self.num_granted
-        for request in plan.charged:
+        charged = plan.charged_waiting
+        for streams in plan.granted.values():
+            charged.extend(streams)
+        for request in charged:
             user = request.output_rate_user  # type: ignore[attr-defined]
             if request.request_id not in scheduled or request.is_prefill_chunk:
                 limiter.refund(user)
@@ -400,7 +423,7 @@ def scheduler_class_for(async_scheduling: bool) -> type[Scheduler]:
     return OutputRateAsyncScheduler if async_scheduling else OutputRateScheduler
 
 
-__all__: Iterable[str] = (
+__all__ = (
     "OutputRateAsyncScheduler",
     "OutputRateScheduler",
     "request_user",

@@ -100,9 +100,10 @@ def make_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
-                ["layer"], FullAttentionSpec(
+                ["layer"],
+                FullAttentionSpec(
                     block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32
-                )
+                ),
             )
         ],
     )

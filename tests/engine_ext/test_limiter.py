@@ -1,0 +1,199 @@
+"""GCRA limiter, driven by a fake clock (the only fake: time)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_ext.limiter import NS_PER_S, OutputRateLimiter
+
+MS = 1_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 5 * NS_PER_S
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def greedy_run(
+    limiter: OutputRateLimiter, clock: Clock, user: str, *, duration_s: float, seed: int
+) -> list[int]:
+    """At random small intervals, take until refused; return the grant times."""
+    rng = random.Random(seed)
+    end = clock.now + int(duration_s * NS_PER_S)
+    granted = []
+    while clock.now < end:
+        while limiter.try_take(user):
+            granted.append(clock.now)
+        clock.now += rng.randint(1, 30) * MS
+    return granted
+
+
+def assert_window_bound(times: list[int], rate: int, *, max_window_s: float) -> None:
+    """In any window [t_i, t_j] at most (W + 0.1) * rate + 1 tokens."""
+    for i in range(len(times)):
+        for j in range(i, len(times)):
+            window_ns = times[j] - times[i]
+            if window_ns > max_window_s * NS_PER_S:
+                break
+            allowed = (window_ns / NS_PER_S + 0.1) * rate + 1
+            assert j - i + 1 <= allowed + 1e-9, (i, j, window_ns)
+
+
+@pytest.mark.parametrize("rate", [1, 7, 20, 100, 1000])
+def test_window_bound_holds_for_a_greedy_user(rate: int) -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(rate, clock_ns=clock)
+    times = greedy_run(limiter, clock, "u", duration_s=6, seed=rate)
+    assert times
+    assert_window_bound(times, rate, max_window_s=3)
+
+
+@pytest.mark.parametrize("rate", [20, 100, 777])
+def test_long_run_rate_is_the_limit(rate: int) -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(rate, clock_ns=clock)
+    times = greedy_run(limiter, clock, "u", duration_s=100, seed=1)
+    measured = (len(times) - 1) / ((times[-1] - times[0]) / NS_PER_S)
+    assert measured == pytest.approx(rate, rel=0.005)
+
+
+def test_refund_restores_exactly_one_token() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(10, clock_ns=clock)
+    # burst 100 ms at 10 tok/s: two tokens at once, then refused.
+    assert limiter.try_take("u")
+    assert limiter.try_take("u")
+    assert not limiter.try_take("u")
+    limiter.refund("u")
+    assert limiter.try_take("u")
+    assert not limiter.try_take("u")
+
+
+def test_ready_at_is_exactly_when_the_next_token_is_allowed() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(10, clock_ns=clock)
+    while limiter.try_take("u"):
+        pass
+    ready = limiter.ready_at_ns("u")
+    assert ready > clock.now
+    clock.now = ready - 1
+    assert not limiter.try_take("u")
+    clock.now = ready
+    assert limiter.try_take("u")
+
+
+def test_users_have_separate_budgets_and_overrides() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(10, {"vip": 1000, "free": None}, clock_ns=clock)
+    assert sum(limiter.try_take("a") for _ in range(100)) == 2
+    assert sum(limiter.try_take("b") for _ in range(100)) == 2
+    assert sum(limiter.try_take("vip") for _ in range(1000)) == 101
+    assert all(limiter.try_take("free") for _ in range(10_000))
+    assert limiter.rate_of("free") is None
+    assert limiter.num_tracked_users == 3  # unlimited users keep no state
+
+
+def test_lowering_a_limit_never_stalls_longer_than_one_new_interval() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(1000, clock_ns=clock)
+    while limiter.try_take("u"):
+        pass
+    limiter.set_rate("u", 2)  # new interval 500 ms
+    assert limiter.ready_at_ns("u") - clock.now <= NS_PER_S // 2
+    clock.now = limiter.ready_at_ns("u")
+    assert limiter.try_take("u")
+
+
+def test_raising_a_limit_speeds_up_at_once() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(1, clock_ns=clock)
+    while limiter.try_take("u"):
+        pass
+    stalled_until = limiter.ready_at_ns("u")
+    limiter.set_rate("u", 1000)
+    assert limiter.ready_at_ns("u") <= stalled_until
+    clock.now += 2 * MS
+    assert limiter.try_take("u")
+    times = greedy_run(limiter, clock, "u", duration_s=2, seed=3)
+    assert len(times) >= 0.95 * 2 * 1000
+
+
+def test_hot_swap_keeps_the_window_bound_across_changes() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(50, clock_ns=clock)
+    times = greedy_run(limiter, clock, "u", duration_s=3, seed=4)
+    limiter.set_default_rate(20)
+    changed_at = clock.now
+    after = greedy_run(limiter, clock, "u", duration_s=3, seed=5)
+    assert_window_bound([t for t in after if t >= changed_at], 20, max_window_s=3)
+    assert times
+
+
+def test_clear_rate_and_replace_all() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(None, {"a": 5}, clock_ns=clock)
+    assert not limiter.is_unlimited
+    limiter.clear_rate("a")
+    assert limiter.is_unlimited
+    assert limiter.rate_of("a") is None
+    limiter.replace_all(7, {"b": None, "c": 3})
+    assert (limiter.rate_of("a"), limiter.rate_of("b"), limiter.rate_of("c")) == (7, None, 3)
+    limiter.replace_all(None, {"b": None})
+    assert limiter.is_unlimited
+    assert limiter.num_tracked_users == 0
+
+
+def test_cleanup_never_changes_a_decision() -> None:
+    clock_a, clock_b = Clock(), Clock()
+    kept = OutputRateLimiter(30, {"x": 5, "y": 200}, clock_ns=clock_a)
+    cleaned = OutputRateLimiter(30, {"x": 5, "y": 200}, clock_ns=clock_b)
+    rng = random.Random(7)
+    users = ["x", "y", "z", "w"]
+    for step in range(20_000):
+        user = rng.choice(users)
+        assert kept.try_take(user) == cleaned.try_take(user), step
+        if rng.random() < 0.05:
+            cleaned.cleanup_idle_users()
+        dt = rng.choice([0, 1, 5, 40, 300]) * MS
+        clock_a.now += dt
+        clock_b.now += dt
+    cleaned.cleanup_idle_users()
+    assert cleaned.num_tracked_users <= kept.num_tracked_users
+
+
+def test_cleanup_drops_idle_users() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(10, clock_ns=clock)
+    for user in ("a", "b", "c"):
+        limiter.try_take(user)
+    clock.now += NS_PER_S
+    limiter.cleanup_idle_users()
+    assert limiter.num_tracked_users == 0
+
+
+@pytest.mark.parametrize(
+    ("rate", "error"),
+    [
+        (0, ValueError),
+        (-5, ValueError),
+        (1_000_001, ValueError),
+        (2.5, TypeError),
+        (float("nan"), TypeError),
+        ("10", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_bad_rates_raise_a_clear_error(rate: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="default_rate"):
+        OutputRateLimiter(rate)  # type: ignore[arg-type]
+    limiter = OutputRateLimiter(None)
+    with pytest.raises(error, match="user 'u'"):
+        limiter.set_rate("u", rate)  # type: ignore[arg-type]
+    with pytest.raises(error, match="default_rate"):
+        limiter.set_default_rate(rate)  # type: ignore[arg-type]
+    assert limiter.rate_of("u") is None  # nothing changed
