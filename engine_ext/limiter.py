@@ -8,7 +8,7 @@ when ``TAT - now <= burst``; taking it moves ``TAT = max(TAT, now) + 1/rate``.
 Times are stored multiplied by the user's rate, so ``1/rate`` seconds is
 exactly ``NS_PER_S`` units and the arithmetic stays in integers.
 
-A rate change is applied lazily, at the user's next use: lowering keeps the
+A rate change re-scales the user's state at once: lowering keeps the
 TAT at the same point in real time (the user waits at most one old interval);
 raising re-prices the tokens still owed at the new rate (faster at once).
 """
@@ -16,7 +16,7 @@ raising re-prices the tokens still owed at the new rate (faster at once).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000
@@ -37,15 +37,16 @@ def validate_rate(rate: object, *, field: str = "rate") -> int | None:
 
 
 class _UserState:
-    """GCRA state of one user: TAT in ns, scaled by the rate it was stored at."""
+    """GCRA state of one limited user, scaled by its current rate."""
 
-    __slots__ = ("rate", "tat_scaled")
+    __slots__ = ("burst_scaled", "rate", "tat_scaled")
 
-    def __init__(self, tat_scaled: int, rate: int) -> None:
+    def __init__(self, tat_scaled: int, rate: int, burst_ns: int) -> None:
         self.tat_scaled = tat_scaled
         self.rate = rate
+        self.burst_scaled = burst_ns * rate
 
-    def rescale(self, new_rate: int, now_ns: int) -> None:
+    def rescale(self, new_rate: int, now_ns: int, burst_ns: int) -> None:
         old_rate = self.rate
         debt = self.tat_scaled - now_ns * old_rate
         if new_rate > old_rate and debt > 0:
@@ -58,6 +59,7 @@ class _UserState:
             # re-priced at the new rate.
             self.tat_scaled = -(-self.tat_scaled * new_rate // old_rate)
         self.rate = new_rate
+        self.burst_scaled = burst_ns * new_rate
 
 
 class OutputRateLimiter:
@@ -116,41 +118,38 @@ class OutputRateLimiter:
         return len(self._states)
 
     # ---- hot path ------------------------------------------------------
+    # Invariant: every state in ``_states`` is scaled by its user's current
+    # (finite) rate, so the hot path needs a single dict lookup per user.
 
     def try_take(self, user: str) -> bool:
-        rate = self._user_rates.get(user, self._default_rate)
-        if rate is None:
-            return True
-        now = self._clock_ns()
-        now_scaled = now * rate
         state = self._states.get(user)
         if state is None:
-            self._states[user] = _UserState(now_scaled + NS_PER_S, rate)
+            rate = self._user_rates.get(user, self._default_rate)
+            if rate is None:
+                return True
+            self._states[user] = _UserState(
+                self._clock_ns() * rate + NS_PER_S, rate, self._burst_ns
+            )
             return True
-        if state.rate != rate:
-            state.rescale(rate, now)
+        now_scaled = self._clock_ns() * state.rate
         tat = state.tat_scaled
-        if tat - now_scaled > self._burst_ns * rate:
+        if tat - now_scaled > state.burst_scaled:
             return False
         state.tat_scaled = (tat if tat > now_scaled else now_scaled) + NS_PER_S
         return True
 
     def refund(self, user: str) -> None:
         state = self._states.get(user)
-        if state is None or self.rate_of(user) is None:
-            return
-        state.tat_scaled -= NS_PER_S
+        if state is not None:
+            state.tat_scaled -= NS_PER_S
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock time at which ``try_take(user)`` can succeed."""
-        rate = self.rate_of(user)
         state = self._states.get(user)
-        if rate is None or state is None:
+        if state is None:
             return 0
-        if state.rate != rate:
-            state.rescale(rate, self._clock_ns())
-        # ceil((tat - burst*rate) / rate)
-        return -(-(state.tat_scaled - self._burst_ns * rate) // rate)
+        # ceil((tat - burst) / rate), in unscaled ns
+        return -(-(state.tat_scaled - state.burst_scaled) // state.rate)
 
     # ---- hot swap ------------------------------------------------------
 
@@ -159,21 +158,15 @@ class OutputRateLimiter:
         self._forget_override(user)
         self._user_rates[user] = rate
         self._num_limited_overrides += rate is not None
-        if rate is None:
-            self._states.pop(user, None)
-        self._is_unlimited = self._compute_unlimited()
+        self._sync_states([user])
 
     def clear_rate(self, user: str) -> None:
         self._forget_override(user)
-        if self._default_rate is None:
-            self._states.pop(user, None)
-        self._is_unlimited = self._compute_unlimited()
+        self._sync_states([user])
 
     def set_default_rate(self, rate: int | None) -> None:
         self._default_rate = validate_rate(rate, field="default_rate")
-        if rate is None:
-            self._drop_unlimited_states()
-        self._is_unlimited = self._compute_unlimited()
+        self._sync_states([u for u in self._states if u not in self._user_rates])
 
     def replace_all(self, default_rate: int | None, user_rates: Mapping[str, int | None]) -> None:
         """Install a whole snapshot; users keep their TAT in real time."""
@@ -185,8 +178,7 @@ class OutputRateLimiter:
         self._default_rate = new_default
         self._user_rates = new_rates
         self._num_limited_overrides = sum(r is not None for r in new_rates.values())
-        self._drop_unlimited_states()
-        self._is_unlimited = self._compute_unlimited()
+        self._sync_states(list(self._states))
 
     def cleanup_idle_users(self) -> None:
         """Forget users whose TAT is behind now; re-creating them is equivalent."""
@@ -195,11 +187,21 @@ class OutputRateLimiter:
         for user in idle:
             del self._states[user]
 
+    def _sync_states(self, users: Iterable[str]) -> None:
+        """Re-establish the invariant for ``users`` after their rate changed."""
+        now = self._clock_ns()
+        states = self._states
+        for user in users:
+            state = states.get(user)
+            if state is None:
+                continue
+            rate = self.rate_of(user)
+            if rate is None:
+                del states[user]  # unlimited users keep no state
+            elif rate != state.rate:
+                state.rescale(rate, now, self._burst_ns)
+        self._is_unlimited = self._compute_unlimited()
+
     def _forget_override(self, user: str) -> None:
         if self._user_rates.pop(user, None) is not None:
             self._num_limited_overrides -= 1
-
-    def _drop_unlimited_states(self) -> None:
-        unlimited = [u for u in self._states if self.rate_of(u) is None]
-        for user in unlimited:
-            del self._states[user]

@@ -22,6 +22,7 @@ The upstream ``schedule()`` is wrapped, never copied:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -61,17 +62,26 @@ def request_user(request: Request) -> str:
 class _StepPlan:
     """What the pre-pass decided for one ``schedule()`` call."""
 
-    __slots__ = ("charged_waiting", "granted", "held_waiting", "parked", "throttled")
+    __slots__ = (
+        "charged",
+        "charged_waiting",
+        "granted_by_user",
+        "held_waiting",
+        "parked",
+        "throttled",
+    )
 
     def __init__(self) -> None:
-        # user -> that user's charged running requests, in rotation order.
-        self.granted: dict[str, list[Request]] = {}
+        # Running requests charged one token this step.
+        self.charged: list[Request] = []
+        # Waiting requests charged one token and offered to upstream admission.
+        self.charged_waiting: list[Request] = []
+        # user -> that user's charged running requests; built only when needed.
+        self.granted_by_user: dict[str, list[Request]] | None = None
         # Running requests refused a token; skipped this step.
         self.throttled: list[Request] = []
         # Running requests with a token but no active slot; skipped, refunded.
         self.parked: list[Request] = []
-        # Waiting requests charged and offered to upstream admission.
-        self.charged_waiting: list[Request] = []
         # Waiting requests held back from admission, in queue order.
         self.held_waiting: list[Request] = []
 
@@ -103,8 +113,9 @@ class OutputRateMixin:
         self.wake_engine: Callable[[], None] = lambda: None
         # user -> request id of the stream that was served last (rotation).
         self._last_served_req: dict[str, str] = {}
-        # user -> last step in which one of its requests was served (fairness).
-        self._last_served_step: dict[str, int] = {}
+        # user -> last step in which it was given an active slot while slots
+        # were short (fairness across users).
+        self._last_slot_step: dict[str, int] = {}
         # user -> tokens granted / requests throttled since the last usage report.
         self.num_granted: dict[str, int] = {}
         self.num_throttled: dict[str, int] = {}
@@ -155,57 +166,64 @@ class OutputRateMixin:
 
     # ---- pre-pass ---------------------------------------------------------
 
-    def _may_sample(self, request: Request, step: int) -> bool:
-        """Whether upstream could dispatch a sampling step for ``request`` now."""
-        num_remaining = (
-            request.num_tokens_with_spec
-            + request.num_output_placeholders
-            - request.num_computed_tokens
-        )
-        if num_remaining <= 0 or num_remaining > self.max_num_scheduled_tokens:
-            return False
-        if step < request.next_decode_eligible_step:
-            return False
-        # Upstream's async look-ahead stop: the last step was already dispatched.
-        return not (
-            request.num_output_placeholders > 0
-            and request.num_computed_tokens + 2 - request.num_output_placeholders
-            >= request.num_prompt_tokens + request.max_tokens
-        )
-
     def _plan_running(self, plan: _StepPlan, step: int) -> None:
-        limiter = self.output_rate_limiter
-        # user -> that user's sampling candidates, in running order.
-        candidates: dict[str, list[Request]] = {}
+        """Charge every running request whose dispatch this step would sample."""
+        take = self.output_rate_limiter.try_take
+        max_chunk = self.max_num_scheduled_tokens
+        charged = plan.charged
+        # user -> that user's refused requests; only users that ran out.
+        refused: dict[str, list[Request]] = {}
         num_busy = 0  # running requests that need no token (mid-prefill chunks)
         for request in self.running:
-            if self._may_sample(request, step):
-                user = request.output_rate_user  # type: ignore[attr-defined]
-                streams = candidates.get(user)
-                if streams is None:
-                    candidates[user] = [request]
-                else:
-                    streams.append(request)
-            elif request.num_computed_tokens < request.num_tokens:
-                num_busy += 1
+            num_placeholders = request.num_output_placeholders
+            num_remaining = (
+                request.num_tokens_with_spec + num_placeholders - request.num_computed_tokens
+            )
+            if num_remaining <= 0 or step < request.next_decode_eligible_step:
+                continue
+            if num_remaining > max_chunk:
+                num_busy += 1  # this chunk cannot reach the end
+                continue
+            if (
+                num_placeholders > 0
+                and request.num_computed_tokens + 2 - num_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                continue  # upstream's async look-ahead stop: nothing to dispatch
+            user = request.output_rate_user  # type: ignore[attr-defined]
+            if refused and user in refused:
+                refused[user].append(request)
+            elif take(user):
+                charged.append(request)
+            else:
+                refused[user] = [request]
+        if refused:
+            self._rotate_contended(plan, refused)
+        plan.parked = self._park_over_active_cap(plan, num_busy)
 
-        granted = plan.granted
-        throttled = plan.throttled
-        for user, streams in candidates.items():
-            if len(streams) > 1:
+    def _rotate_contended(self, plan: _StepPlan, refused: dict[str, list[Request]]) -> None:
+        """For users that ran out, hand their tokens to streams in rotation order.
+
+        The first pass granted a user's streams in ``running`` order; once a
+        user is refused all of its later streams are too, so granted + refused
+        is that user's streams in ``running`` order. The same number of tokens
+        goes to the streams that come first after the one served last.
+        """
+        granted: dict[str, list[Request]] = {user: [] for user in refused}
+        kept: list[Request] = []
+        for request in plan.charged:
+            streams = granted.get(request.output_rate_user)  # type: ignore[attr-defined]
+            (kept if streams is None else streams).append(request)
+        for user, refused_streams in refused.items():
+            streams = granted[user] + refused_streams
+            num_granted = len(granted[user])
+            if num_granted:
                 streams = self._rotate(user, streams)
-            num_taken = 0
-            for _ in streams:
-                if not limiter.try_take(user):
-                    break
-                num_taken += 1
-            if num_taken:
-                granted[user] = streams[:num_taken]
-            if num_taken < len(streams):
-                throttled.extend(streams[num_taken:])
-                self._note_refused(user, len(streams) - num_taken)
-
-        plan.parked = self._park_over_active_cap(granted, num_busy)
+                kept.extend(streams[:num_granted])
+                self._last_served_req[user] = streams[num_granted - 1].request_id
+            plan.throttled.extend(streams[num_granted:])
+            self._note_refused(user, len(streams) - num_granted)
+        plan.charged = kept
 
     def _skip_running(self, plan: _StepPlan, step: int) -> None:
         skipped = plan.parked + plan.throttled
@@ -233,33 +251,43 @@ class OutputRateMixin:
                 return streams[i + 1 :] + streams[: i + 1]
         return streams
 
-    def _park_over_active_cap(
-        self, granted: dict[str, list[Request]], num_busy: int
-    ) -> list[Request]:
+    def _park_over_active_cap(self, plan: _StepPlan, num_busy: int) -> list[Request]:
         """Refund and return the charged requests beyond the active cap.
 
-        Active slots go to the least recently served users first, so no user
-        is favoured for sitting early in ``running``.
+        Only possible after throttling let more requests become resident than
+        there are active slots. Slots go to the users that were given one least
+        recently when slots were short, so nobody is favoured for sitting early
+        in ``running``.
         """
         num_free = self.max_num_active_reqs - num_busy
-        num_granted = sum(len(s) for s in granted.values())
-        if num_granted <= num_free:
+        if len(plan.charged) <= num_free:
             return []
-        order = sorted(granted, key=lambda u: self._last_served_step.get(u, -1))
+        by_user = self._granted_by_user(plan)
+        order = sorted(by_user, key=lambda u: self._last_slot_step.get(u, -1))
         parked: list[Request] = []
-        limiter = self.output_rate_limiter
+        refund = self.output_rate_limiter.refund
+        step = self.current_step + 1
         for user in order:
-            streams = granted[user]
-            keep = max(0, min(len(streams), num_free))
-            num_free -= keep
-            for request in streams[keep:]:
-                limiter.refund(user)
+            streams = by_user[user]
+            num_keep = max(0, min(len(streams), num_free))
+            num_free -= num_keep
+            if num_keep:
+                self._last_slot_step[user] = step
+            for request in streams[num_keep:]:
+                refund(user)
                 parked.append(request)
-            if keep:
-                granted[user] = streams[:keep]
-            else:
-                del granted[user]
+            del streams[num_keep:]
+        parked_ids = {id(r) for r in parked}
+        plan.charged = [r for r in plan.charged if id(r) not in parked_ids]
         return parked
+
+    def _granted_by_user(self, plan: _StepPlan) -> dict[str, list[Request]]:
+        if plan.granted_by_user is None:
+            by_user: dict[str, list[Request]] = {}
+            for request in plan.charged:
+                by_user.setdefault(request.output_rate_user, []).append(request)  # type: ignore[attr-defined]
+            plan.granted_by_user = by_user
+        return plan.granted_by_user
 
     def _note_refused(self, user: str, num_requests: int) -> None:
         self.num_throttled[user] = self.num_throttled.get(user, 0) + num_requests
@@ -307,13 +335,13 @@ class OutputRateMixin:
         comes before every running stream; without this, running streams that
         keep the budget busy would starve the user's queued requests forever.
         """
-        streams = plan.granted.get(user)
+        streams = self._granted_by_user(plan).get(user)
         if not streams:
             return False
-        plan.throttled.append(streams.pop())
+        victim = streams.pop()
+        plan.charged.remove(victim)
+        plan.throttled.append(victim)
         self._note_refused(user, 1)
-        if not streams:
-            del plan.granted[user]
         return True
 
     def _restore_waiting(self, original: Any, plan: _StepPlan) -> None:
@@ -327,20 +355,15 @@ class OutputRateMixin:
     # ---- the single refund point ------------------------------------------
 
     def _settle(self, plan: _StepPlan, output: SchedulerOutput, step: int) -> None:
-        limiter = self.output_rate_limiter
+        refund = self.output_rate_limiter.refund
         scheduled = output.num_scheduled_tokens
-        num_granted = self.num_granted
-        charged = plan.charged_waiting
-        for streams in plan.granted.values():
-            charged.extend(streams)
-        for request in charged:
-            user = request.output_rate_user  # type: ignore[attr-defined]
+        num_granted = self.num_granted if self.push_client is not None else None
+        for request in itertools.chain(plan.charged, plan.charged_waiting):
             if request.request_id not in scheduled or request.is_prefill_chunk:
-                limiter.refund(user)
-                continue
-            num_granted[user] = num_granted.get(user, 0) + 1
-            self._last_served_req[user] = request.request_id
-            self._last_served_step[user] = step
+                refund(request.output_rate_user)  # type: ignore[attr-defined]
+            elif num_granted is not None:
+                user = request.output_rate_user  # type: ignore[attr-defined]
+                num_granted[user] = num_granted.get(user, 0) + 1
         if step % CLEANUP_INTERVAL_STEPS == 0:
             self._cleanup()
         self._maybe_report_usage()
@@ -348,7 +371,7 @@ class OutputRateMixin:
     def _cleanup(self) -> None:
         self.output_rate_limiter.cleanup_idle_users()
         live_users = {r.output_rate_user for r in self.requests.values()}  # type: ignore[attr-defined]
-        for table in (self._last_served_req, self._last_served_step):
+        for table in (self._last_served_req, self._last_slot_step):
             for user in [u for u in table if u not in live_users]:
                 del table[user]
 
