@@ -50,8 +50,8 @@ def time_steps(sched, num_steps: int) -> float:
 
 def main() -> list[str]:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     rows = [
         "| R running | upstream µs/step | output-rate µs/step | ratio | all throttled µs/step |",
