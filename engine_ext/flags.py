@@ -1,0 +1,133 @@
+"""The output-rate flags of the vLLM server, and their parsing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engine_ext.config import OutputRateConfig
+from engine_ext.limiter import validate_rate
+
+MAX_USER_ID_LEN = 256
+
+# argparse dest -> flag, for error messages and for reading the namespace.
+FLAGS = {
+    "default_user_output_tokens_per_second": "--default-user-output-tokens-per-second",
+    "user_output_tokens_per_second": "--user-output-tokens-per-second",
+    "control_plane_endpoint": "--control-plane-endpoint",
+    "output_rate_engine_id": "--output-rate-engine-id",
+    "control_plane_public_key": "--control-plane-public-key",
+    "control_plane_snapshot_timeout": "--control-plane-snapshot-timeout",
+}
+
+
+def parse_rate(text: str) -> int | None:
+    if text.strip().lower() in ("null", "none", "unlimited"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer 1..1000000 or 'unlimited', got {text!r}"
+        ) from None
+    try:
+        return validate_rate(value, field="rate")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_user_id(user: object) -> str:
+    if not isinstance(user, str) or not user:
+        raise ValueError(f"user ids must be non-empty strings, got {user!r}")
+    if len(user) > MAX_USER_ID_LEN:
+        raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {user[:40]!r}...")
+    if any(ord(c) < 32 or ord(c) == 127 for c in user):
+        raise ValueError(f"user id {user!r} contains control characters")
+    return user
+
+
+def parse_user_rates(text: str) -> dict[str, int | None]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(
+            'must be a JSON object like {"user-a": 100, "user-b": null}'
+        )
+    rates: dict[str, int | None] = {}
+    for user, rate in data.items():
+        try:
+            rates[check_user_id(user)] = validate_rate(rate, field=f"rate of user {user!r}")
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return rates
+
+
+def parse_endpoint(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://")):
+        raise argparse.ArgumentTypeError(
+            f"must be a ZMQ endpoint like tcp://host:port, got {text!r}"
+        )
+    return text
+
+
+def add_flags(parser: Any) -> None:
+    group = parser.add_argument_group(
+        title="Per-user output rate",
+        description="Per-user output-token speed limits (vllm-output-rate). Identity comes "
+        "from vllm_xargs.output_rate_user; requests without it share '__anonymous__'.",
+    )
+    group.add_argument(
+        FLAGS["default_user_output_tokens_per_second"],
+        type=parse_rate,
+        default=None,
+        help="Output tokens/s for every user without its own limit (default: unlimited).",
+    )
+    group.add_argument(
+        FLAGS["user_output_tokens_per_second"],
+        type=parse_user_rates,
+        default=None,
+        help='JSON object of per-user limits, e.g. \'{"user-a":100,"user-b":500}\'; '
+        "null = unlimited.",
+    )
+    group.add_argument(
+        FLAGS["control_plane_endpoint"],
+        type=parse_endpoint,
+        default=None,
+        help="ZMQ endpoint of the output-rate control plane, e.g. tcp://127.0.0.1:5557.",
+    )
+    group.add_argument(
+        FLAGS["output_rate_engine_id"],
+        default=None,
+        help="Name of this engine in the control plane (default: host:port).",
+    )
+    group.add_argument(
+        FLAGS["control_plane_public_key"],
+        default=None,
+        help="CURVE public key (Z85) of the control plane; from `output-rate keys`.",
+    )
+    group.add_argument(
+        FLAGS["control_plane_snapshot_timeout"],
+        type=float,
+        default=10.0,
+        help="Seconds to wait at startup for the control plane's limits before serving "
+        "with the limits given on the command line.",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
+    engine_id = getattr(args, "output_rate_engine_id", None)
+    if engine_id is None:
+        host = getattr(args, "host", None) or "0.0.0.0"
+        port = getattr(args, "port", None)
+        engine_id = f"{host}:{port}" if port else host
+    return OutputRateConfig(
+        default_rate=getattr(args, "default_user_output_tokens_per_second", None),
+        user_rates=dict(getattr(args, "user_output_tokens_per_second", None) or {}),
+        control_plane_endpoint=getattr(args, "control_plane_endpoint", None),
+        engine_id=engine_id,
+        control_plane_public_key=getattr(args, "control_plane_public_key", None),
+        snapshot_timeout_s=getattr(args, "control_plane_snapshot_timeout", 10.0),
+    )

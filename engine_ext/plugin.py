@@ -1,0 +1,118 @@
+"""vLLM general plugin (entry point group ``vllm.general_plugins``).
+
+``register()`` runs in every vLLM process, possibly several times, so every
+patch is idempotent. In the API server process it adds the output-rate flags
+to vLLM's own argument parser, carries them into
+``VllmConfig.additional_config["output_rate"]``, verifies the configuration
+and selects the scheduler subclass matching ``async_scheduling``. In the
+engine-core process it patches the idle wait. With none of the flags given,
+nothing changes: the scheduler is upstream's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from engine_ext.config import CONFIG_KEY, OutputRateConfig
+
+logger = logging.getLogger(__name__)
+
+SYNC_SCHEDULER = "engine_ext.scheduler.OutputRateScheduler"
+ASYNC_SCHEDULER = "engine_ext.scheduler.OutputRateAsyncScheduler"
+_PATCHED_ATTR = "_output_rate_patched"
+
+
+def register() -> None:
+    _patch_engine_args()
+    from engine_ext.engine_core import patch_engine_core
+
+    patch_engine_core()
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, _PATCHED_ATTR, False):
+        return
+    original_add_cli_args = EngineArgs.add_cli_args
+    original_from_cli_args = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    original_create_engine_config = EngineArgs.create_engine_config
+
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original_add_cli_args(parser, *args, **kwargs)
+        from engine_ext.flags import add_flags
+
+        add_flags(parser)
+        return parser
+
+    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+        engine_args = original_from_cli_args(cls, args)
+        from engine_ext.flags import config_from_args
+
+        rate_config = config_from_args(args)
+        if rate_config.enabled:
+            engine_args.additional_config = {
+                **(engine_args.additional_config or {}),
+                CONFIG_KEY: rate_config.to_dict(),
+            }
+            _reject_beam_search()
+        return engine_args
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = original_create_engine_config(self, *args, **kwargs)
+        rate_config = OutputRateConfig.from_vllm_config(vllm_config)
+        if not rate_config.enabled:
+            return vllm_config
+        from engine_ext.verify import verify_config
+
+        verify_config(vllm_config, user_scheduler_cls=self.scheduler_cls)
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.scheduler_cls = (
+            ASYNC_SCHEDULER if scheduler_config.async_scheduling else SYNC_SCHEDULER
+        )
+        logger.info(
+            "output-rate: limiting on (default %s tok/s, %d per-user limits, control plane %s), "
+            "scheduler %s",
+            rate_config.default_rate or "unlimited",
+            len(rate_config.user_rates),
+            rate_config.control_plane_endpoint or "none",
+            scheduler_config.scheduler_cls,
+        )
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    setattr(EngineArgs, _PATCHED_ATTR, True)
+
+
+BEAM_SEARCH_MESSAGE = (
+    "use_beam_search is not supported while per-user output-rate limiting is on: "
+    "beam candidates do not sample one token per step"
+)
+
+
+def _reject_beam_search() -> None:
+    """Answer beam-search requests with a 400 in the OpenAI server."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    for cls, name in (
+        (OpenAIServingCompletion, "create_completion"),
+        (OpenAIServingChat, "create_chat_completion"),
+    ):
+        original = getattr(cls, name)
+        if getattr(original, _PATCHED_ATTR, False):
+            continue
+
+        async def guarded(
+            self: Any, request: Any, *args: Any, _original: Any = original, **kw: Any
+        ) -> Any:
+            if getattr(request, "use_beam_search", False):
+                return self.create_error_response(BEAM_SEARCH_MESSAGE)
+            return await _original(self, request, *args, **kw)
+
+        setattr(guarded, _PATCHED_ATTR, True)
+        setattr(cls, name, guarded)

@@ -1,0 +1,71 @@
+"""Startup verification: reject modes the per-user accounting cannot support.
+
+Each check names the option that enabled the mode, so the operator knows what
+to remove. The reasons (from the seed design): one token charged per request
+per step breaks with speculative decoding; every data-parallel rank would have
+its own limiter; pipeline parallelism, non-standard attention models and
+KV/EC connectors change scheduling or KV lifetimes in ways the skip, preempt
+and refund logic was not built for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OutputRateConfigError(ValueError):
+    """A vLLM configuration that per-user output-rate limiting rejects."""
+
+
+def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    checks: list[tuple[bool, str]] = [
+        (
+            vllm_config.speculative_config is not None,
+            "speculative decoding (--speculative-config) samples several tokens per step",
+        ),
+        (
+            parallel.data_parallel_size > 1,
+            "--data-parallel-size > 1 gives every rank its own budget",
+        ),
+        (
+            parallel.pipeline_parallel_size > 1,
+            "--pipeline-parallel-size > 1 keeps several batches in flight",
+        ),
+        (model.is_multimodal_model, "multimodal models are not supported"),
+        (model.is_encoder_decoder, "encoder-decoder models are not supported"),
+        (bool(getattr(model, "is_hybrid", False)), "hybrid (attention + SSM) models"),
+        (bool(getattr(model, "is_attention_free", False)), "attention-free models"),
+        (bool(getattr(model, "is_diffusion", False)), "diffusion models"),
+        (
+            vllm_config.kv_transfer_config is not None,
+            "a KV connector (--kv-transfer-config)",
+        ),
+        (
+            vllm_config.ec_transfer_config is not None,
+            "an EC connector (--ec-transfer-config)",
+        ),
+        (
+            getattr(cache, "kv_offloading_size", None) is not None,
+            "KV offload (--kv-offloading-size)",
+        ),
+        (
+            user_scheduler_cls is not None,
+            f"a custom scheduler (--scheduler-cls {user_scheduler_cls})",
+        ),
+    ]
+    return [message for failed, message in checks if failed]
+
+
+def verify_config(vllm_config: Any, *, user_scheduler_cls: object = None) -> None:
+    """Raise ``OutputRateConfigError`` naming the first unsupported option."""
+    problems = _problems(vllm_config, user_scheduler_cls=user_scheduler_cls)
+    if problems:
+        raise OutputRateConfigError(
+            "per-user output-rate limiting (--default-user-output-tokens-per-second, "
+            "--user-output-tokens-per-second, --control-plane-endpoint) cannot run with "
+            + problems[0]
+            + "; remove that option or the output-rate flags"
+        )

@@ -1,0 +1,110 @@
+"""The plugin on vLLM's real argument parser and EngineArgs (no server)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from engine_ext.config import CONFIG_KEY, OutputRateConfig
+from engine_ext.plugin import ASYNC_SCHEDULER, SYNC_SCHEDULER, register
+from engine_ext.verify import OutputRateConfigError
+from tests.engine_ext.sched_helpers import TINY_MODEL
+
+BASE = ["--model", str(TINY_MODEL), "--max-model-len", "512", "--enforce-eager"]
+
+
+def parse(*flags: str):
+    register()
+    register()  # idempotent: a second call must not add the flags twice
+    parser = make_arg_parser(FlexibleArgumentParser())
+    return parser.parse_args([*BASE, *flags])
+
+
+def engine_config(*flags: str):
+    args = parse(*flags)
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_no_flag_changes_nothing() -> None:
+    config = engine_config()
+    assert CONFIG_KEY not in config.additional_config
+    assert "engine_ext" not in str(config.scheduler_config.scheduler_cls)
+
+
+def test_flags_reach_the_engine_config_and_pick_the_sync_scheduler() -> None:
+    config = engine_config(
+        "--default-user-output-tokens-per-second",
+        "50",
+        "--user-output-tokens-per-second",
+        '{"user-a": 20, "vip": null}',
+        "--port",
+        "8123",
+        "--no-async-scheduling",
+    )
+    rate_config = OutputRateConfig.from_vllm_config(config)
+    assert rate_config.default_rate == 50
+    assert rate_config.user_rates == {"user-a": 20, "vip": None}
+    assert rate_config.engine_id.endswith(":8123")
+    assert config.scheduler_config.scheduler_cls == SYNC_SCHEDULER
+
+
+def test_scheduler_follows_the_resolved_async_scheduling() -> None:
+    # vLLM's CPU platform turns async scheduling off after parsing; the choice
+    # must follow the resolved value, not the flag.
+    config = engine_config("--default-user-output-tokens-per-second", "5", "--async-scheduling")
+    expected = ASYNC_SCHEDULER if config.scheduler_config.async_scheduling else SYNC_SCHEDULER
+    assert config.scheduler_config.scheduler_cls == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--user-output-tokens-per-second", "{not json"], "not valid JSON"),
+        (["--user-output-tokens-per-second", "[1, 2]"], "JSON object"),
+        (["--user-output-tokens-per-second", '{"a": 0}'], "between 1 and 1000000"),
+        (["--user-output-tokens-per-second", '{"a": 2.5}'], "integer"),
+        (["--user-output-tokens-per-second", '{"a": 2000000}'], "between 1 and 1000000"),
+        (["--user-output-tokens-per-second", '{"": 5}'], "non-empty"),
+        (["--user-output-tokens-per-second", '{"a\\u0001": 5}'], "control characters"),
+        (["--default-user-output-tokens-per-second", "-3"], "between 1 and 1000000"),
+        (["--default-user-output-tokens-per-second", "fast"], "integer"),
+        (["--control-plane-endpoint", "http://x"], "ZMQ endpoint"),
+    ],
+)
+def test_bad_flag_values_fail_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse(*flags)
+    err = capsys.readouterr().err
+    assert flags[0] in err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "option"),
+    [
+        (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+            "--speculative-config",
+        ),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+            "--kv-transfer-config",
+        ),
+    ],
+)
+def test_unsupported_modes_are_rejected_naming_the_option(flags: list[str], option: str) -> None:
+    try:
+        config = engine_config("--default-user-output-tokens-per-second", "10", *flags)
+    except OutputRateConfigError as e:
+        assert option in str(e)
+        return
+    except Exception as e:  # vLLM itself refused the mode on this machine first
+        pytest.fail(f"vLLM rejected {flags} before the output-rate check: {e!r}")
+    pytest.fail(f"accepted: {config}")
