@@ -1,0 +1,75 @@
+"""An OpenAI-API client that measures per-token arrival, as a user would.
+
+Tokens are counted from the usage block of every chunk
+(``continuous_usage_stats``), never from text, which byte-level pieces merge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class StreamResult:
+    user: str | None
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    user: str | None,
+    max_tokens: int,
+    prompt: str = "Once upon a time",
+    stop_after_tokens: int | None = None,
+    **extra: Any,
+) -> StreamResult:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **extra,
+    }
+    body.setdefault("ignore_eos", True)
+    if user is not None:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    result = StreamResult(user=user)
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.monotonic()
+            for choice in chunk.get("choices") or ():
+                result.text += choice.get("text") or ""
+                result.finish_reason = choice.get("finish_reason") or result.finish_reason
+            usage = chunk.get("usage") or {}
+            num_tokens = usage.get("completion_tokens", result.completion_tokens)
+            result.token_times.extend([now] * (num_tokens - result.completion_tokens))
+            result.completion_tokens = num_tokens
+            if stop_after_tokens is not None and num_tokens >= stop_after_tokens:
+                break  # client cancels mid-stream: closing the response aborts it
+    return result
+
+
+def user_rate(results: list[StreamResult]) -> tuple[int, float]:
+    """(tokens, first-to-last token span in s) over all of a user's streams."""
+    times = sorted(t for r in results for t in r.token_times)
+    return len(times), times[-1] - times[0]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)

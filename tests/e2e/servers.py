@@ -1,0 +1,95 @@
+"""Real processes for end-to-end tests: a vLLM server on the tiny local model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_MODEL = ROOT / ".cache" / "tiny-llama"
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_command(port: int, *flags: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(TINY_MODEL),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
+
+
+def vllm_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Process:
+    """A child process in its own process group, killed with everything it spawned."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+        try:
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        self._log.close()
+
+
+class VllmServer(Process):
+    def __init__(self, log_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(vllm_command(self.port, *flags), log_path, env=vllm_env())
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {self.popen.returncode}:\n{self.log()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM not ready in {STARTUP_TIMEOUT_S}s:\n{self.log()[-4000:]}")
