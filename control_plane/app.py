@@ -1,0 +1,73 @@
+"""The FastAPI application: REST API, metrics and the admin UI."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy.orm import Session
+
+from control_plane.api import router
+from control_plane.db import make_engine, make_session_factory
+from control_plane.errors import DomainError
+from control_plane.metrics import install_metrics
+from control_plane.settings import Settings
+
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+logger = logging.getLogger("control_plane")
+
+
+class NoUsage:
+    """Usage source until the push server provides live figures."""
+
+    def usage_items(self, session: Session) -> list[dict[str, Any]]:
+        return []
+
+
+def _field_message(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "path", "query")]
+    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}"
+
+
+def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI:
+    app = FastAPI(title="vllm-output-rate control plane", version="0.1.0")
+    engine = make_engine(settings.database_url)
+    app.state.settings = settings
+    app.state.insecure_no_auth = insecure_no_auth
+    app.state.db_engine = engine
+    app.state.session_factory = make_session_factory(engine)
+    app.state.on_commit = []
+    app.state.usage_source = NoUsage()
+    app.state.logger = logger
+
+    @app.exception_handler(DomainError)
+    async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        return JSONResponse(
+            {"detail": exc.message, "field": exc.field}, status_code=exc.status_code
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+            for e in exc.errors()
+        ]
+        message = "; ".join(_field_message(e) for e in errors)
+        return JSONResponse({"detail": errors, "message": message}, status_code=422)
+
+    install_metrics(app)
+    app.include_router(router)
+
+    if (WEB_DIR / "index.html").exists():
+        app.mount("/ui", StaticFiles(directory=WEB_DIR, html=True), name="ui")
+
+        @app.get("/", include_in_schema=False)
+        def root() -> RedirectResponse:
+            return RedirectResponse("/ui/")
+
+    return app

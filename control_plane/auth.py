@@ -1,0 +1,61 @@
+"""Bearer tokens: the admin token (settings) writes; viewer tokens only read."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy.orm import Session
+
+from control_plane import services
+from control_plane.deps import SessionDep
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    can_write: bool
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _authenticate(request: Request, session: Session) -> Principal:
+    if request.app.state.insecure_no_auth:
+        return Principal("anonymous-admin", can_write=True)
+    token = _bearer(request)
+    if token is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing bearer token (Authorization header)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    admin = request.app.state.settings.admin_token
+    if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
+        return Principal("admin", can_write=True)
+    viewer = services.viewer_token_name(session, token=token)
+    if viewer is not None:
+        return Principal(f"viewer:{viewer}", can_write=False)
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED, "invalid token", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def reader(request: Request, session: SessionDep) -> Principal:
+    return _authenticate(request, session)
+
+
+def writer(request: Request, session: SessionDep) -> Principal:
+    principal = _authenticate(request, session)
+    if not principal.can_write:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "viewer tokens may only read")
+    return principal
+
+
+ReaderDep = Annotated[Principal, Depends(reader)]
+WriterDep = Annotated[Principal, Depends(writer)]

@@ -1,0 +1,126 @@
+"""`output-rate`: serve the control plane, migrate its database, make CURVE keys."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from alembic.config import Config
+from fastapi import FastAPI
+
+from control_plane.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("control_plane")
+
+
+def alembic_config(database_url: str) -> Config:
+
+    config = Config(str(ROOT / "alembic.ini"))
+    config.attributes["database_url"] = database_url
+    return config
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str, revision: str) -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(database_url), revision)
+
+
+def serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    from control_plane.app import create_app
+
+    if settings.admin_token is None and not args.insecure_no_auth:
+        print(
+            "error: OUTPUT_RATE_ADMIN_TOKEN is not set. Set it, or start with "
+            "--insecure-no-auth to run without authentication (never in production).",
+            file=sys.stderr,
+        )
+        return 2
+    if args.insecure_no_auth:
+        logger.warning(
+            "!!! --insecure-no-auth: anyone who reaches %s:%s can change every limit !!!",
+            args.host or settings.host,
+            args.port or settings.port,
+        )
+    upgrade(settings.database_url)
+    app = create_app(settings, insecure_no_auth=args.insecure_no_auth)
+    push = start_push_server(app, settings)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host or settings.host,
+            port=args.port or settings.port,
+            log_level="info",
+        )
+    finally:
+        if push is not None:
+            push.close()
+    return 0
+
+
+def start_push_server(app: FastAPI, settings: Settings) -> Any:
+    """The ZMQ endpoint engines connect to (control_plane/push)."""
+    from control_plane.push.server import PushServer
+
+    server = PushServer.for_app(app, settings)
+    server.start()
+    return server
+
+
+def keys() -> int:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    print(f"OUTPUT_RATE_ZMQ_PUBLIC_KEY={public.decode()}")
+    print(f"OUTPUT_RATE_ZMQ_SECRET_KEY={secret.decode()}")
+    print(
+        "# Give engines the public key: --control-plane-public-key " + public.decode(),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(prog="output-rate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="migrate to head, then serve API, UI, ZMQ")
+    serve_parser.add_argument("--host", default=None)
+    serve_parser.add_argument("--port", type=int, default=None)
+    serve_parser.add_argument(
+        "--insecure-no-auth", action="store_true", help="serve without authentication (unsafe)"
+    )
+    db_parser = commands.add_parser("db", help="database migrations")
+    db_commands = db_parser.add_subparsers(dest="db_command", required=True)
+    db_commands.add_parser("upgrade", help="upgrade to the latest schema")
+    down = db_commands.add_parser("downgrade", help="downgrade to a revision")
+    down.add_argument("revision")
+    commands.add_parser("keys", help="print a new CURVE key pair for the push endpoint")
+    args = parser.parse_args(argv)
+
+    settings = Settings()
+    if args.command == "serve":
+        return serve(args, settings)
+    if args.command == "db":
+        if args.db_command == "upgrade":
+            upgrade(settings.database_url)
+        else:
+            downgrade(settings.database_url, args.revision)
+        return 0
+    return keys()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
