@@ -1,46 +1,63 @@
-"""Database engine and sessions."""
+"""Database engine and sessions.
+
+SQLite needs help to serialize writers: pysqlite's own transaction handling is switched
+off so that write transactions start with BEGIN IMMEDIATE, taking the write lock up front
+and waiting on the busy timeout. A deferred transaction that read first and then tries to
+write can fail at once with "database is locked" under concurrency.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+WRITE_OPTION = "output_rate_write"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=8
+            url,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            pool_size=16,
+            max_overflow=16,
         )
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.close()
-
+        _configure_sqlite(engine)
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # BEGIN is emitted by _begin below
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # WAL + NORMAL: a committed write survives a killed process (not a power cut).
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """The request owns the transaction: commit once on success, else roll back."""
-    session = factory()
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
+def begin_write(session: Session) -> None:
+    """Start the session's transaction as a writer (SQLite: BEGIN IMMEDIATE).
+
+    Does nothing when the transaction already began; writers then rely on the config-row
+    lock taken by the services (PostgreSQL) or on having started as writers (SQLite).
+    """
+    if not session.in_transaction():
+        session.connection(execution_options={WRITE_OPTION: True})

@@ -1,35 +1,51 @@
+"""Request-scoped dependencies: the request owns its one transaction."""
+
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from control_plane.db import begin_write
+from control_plane.services import NEW_VERSION_KEY
+
+logger = logging.getLogger("control_plane")
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
 
 def get_db(request: Request) -> Iterator[Session]:
-    """One session per request. Writes commit through ``commit``; anything
-    left uncommitted (an error, a read) is rolled back here."""
-    session = request.app.state.session_factory()
+    """One session and one transaction per request: committed once when the route returns,
+    rolled back if it raises. Writes start as writers (SQLite: BEGIN IMMEDIATE) so that
+    concurrent writers queue on the lock instead of failing. A write that produced a new
+    config version then tells the on_commit hooks, outside the transaction."""
+    session: Session = request.app.state.session_factory()
     try:
+        if request.method not in SAFE_METHODS:
+            begin_write(session)
         yield session
-    finally:
+        new_version = session.info.pop(NEW_VERSION_KEY, None)
+        session.commit()
+    except BaseException:
         session.rollback()
+        raise
+    finally:
         session.close()
+    if new_version is not None:
+        _notify(request, new_version)
 
 
-SessionDep = Annotated[Session, Depends(get_db)]
-
-
-def commit(request: Request, session: Session) -> None:
-    """Commit the request's transaction, then tell listeners the new version."""
-    from control_plane import services
-
-    session.commit()
-    version = services.current_version(session)
-    session.commit()
-    for listener in request.app.state.on_commit:
+def _notify(request: Request, version: int) -> None:
+    for hook in list(request.app.state.on_commit):
         try:
-            listener(version)
-        except Exception:  # a listener must never fail a committed write
-            request.app.state.logger.exception("on_commit listener failed")
+            hook(version)
+        except Exception:  # a hook must never fail a committed write
+            logger.exception("on_commit hook %r failed for version %d", hook, version)
+
+
+# scope="function": the exit code (the commit) runs when the route returns, before the
+# response is sent, so a write is acknowledged only once it is committed.
+SessionDep = Annotated[Session, Depends(get_db, scope="function")]

@@ -22,3 +22,7 @@ class Conflict(DomainError):
 
 class InvalidInput(DomainError):
     status_code = 422
+
+
+class ConfigurationError(Exception):
+    """The server was asked to start in an unsafe or impossible configuration."""

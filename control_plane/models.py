@@ -5,7 +5,20 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -17,47 +30,97 @@ NAMING_CONVENTION = {
 }
 MAX_USER_ID_LEN = 256
 MAX_TIER_NAME_LEN = 64
+MAX_RATE = 1_000_000
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware timestamps on both backends.
+
+    SQLite has no timestamp type and hands back naive values: store UTC, re-attach UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: use timezone-aware UTC timestamps")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _bytewise(length: int) -> String:
+    """Byte-order comparison, so a user-id prefix is one index range on both backends
+    (a locale collation on PostgreSQL would reorder punctuation and break `q`)."""
+    return String(length).with_variant(String(length, collation="C"), "postgresql")
+
+
+def _rate_check(column: str) -> str:
+    return f"{column} IS NULL OR ({column} >= 1 AND {column} <= {MAX_RATE})"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime()}
 
 
 class ConfigState(Base):
     """The single row holding the global config version and the default rate."""
 
     __tablename__ = "config_state"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint(_rate_check("default_rate"), name="default_rate_range"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     version: Mapped[int] = mapped_column(Integer, default=0)
     default_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Maintained by every user write, so listing 1M users needs no COUNT(*) scan.
+    num_users: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Tier(Base):
     __tablename__ = "tiers"
+    __table_args__ = (CheckConstraint(_rate_check("rate"), name="rate_range"),)
 
-    name: Mapped[str] = mapped_column(String(MAX_TIER_NAME_LEN), primary_key=True)
+    name: Mapped[str] = mapped_column(_bytewise(MAX_TIER_NAME_LEN), primary_key=True)
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     description: Mapped[str] = mapped_column(Text, default="")
     version: Mapped[int] = mapped_column(Integer)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Users assigned to the tier; maintained with every user write (see num_users above).
+    num_users: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class UserLimit(Base):
     """A configured user: its tier and/or its own override rate."""
 
     __tablename__ = "user_limits"
+    __table_args__ = (
+        CheckConstraint(_rate_check("rate"), name="rate_range"),
+        # Filter by tier, ordered by user: one index range for GET /limits?tier=.
+        Index("ix_user_limits_tier_user", "tier", "user"),
+    )
 
-    user: Mapped[str] = mapped_column(String(MAX_USER_ID_LEN), primary_key=True)
-    tier: Mapped[str | None] = mapped_column(ForeignKey("tiers.name"), nullable=True, index=True)
+    user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), primary_key=True)
+    tier: Mapped[str | None] = mapped_column(
+        _bytewise(MAX_TIER_NAME_LEN), ForeignKey("tiers.name"), nullable=True
+    )
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     version: Mapped[int] = mapped_column(Integer)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class ConfigChange(Base):
@@ -66,7 +129,7 @@ class ConfigChange(Base):
     __tablename__ = "config_changes"
 
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ops: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
 
@@ -74,7 +137,7 @@ class AuditEntry(Base):
     __tablename__ = "audit_log"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     version: Mapped[int] = mapped_column(Integer)
     actor: Mapped[str] = mapped_column(String(128))
     action: Mapped[str] = mapped_column(String(64))
@@ -91,8 +154,8 @@ class ViewerToken(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Engine(Base):
@@ -104,5 +167,5 @@ class Engine(Base):
     model: Mapped[str] = mapped_column(String(512), default="")
     applied_version: Mapped[int] = mapped_column(Integer, default=0)
     connected: Mapped[bool] = mapped_column(default=False)
-    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    first_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from control_plane.db import begin_write
 from control_plane.models import (
     AuditEntry,
     ConfigChange,
@@ -27,6 +28,7 @@ def lock_config(session: Session) -> ConfigState:
     The no-op UPDATE is the first statement of every write transaction, so
     concurrent writers queue here before reading anything they will change.
     """
+    begin_write(session)
     session.execute(
         update(ConfigState)
         .where(ConfigState.id == CONFIG_ROW_ID)
@@ -51,45 +53,71 @@ def list_tiers(session: Session) -> Sequence[Tier]:
     return session.scalars(select(Tier).order_by(Tier.name)).all()
 
 
-def count_users_by_tier(session: Session) -> dict[str, int]:
-    rows = session.execute(
-        select(UserLimit.tier, func.count())
-        .where(UserLimit.tier.is_not(None))
-        .group_by(UserLimit.tier)
-    )
-    return {tier: count for tier, count in rows if tier is not None}
+def add_tier_users(session: Session, name: str, delta: int) -> None:
+    session.execute(update(Tier).where(Tier.name == name).values(num_users=Tier.num_users + delta))
 
 
-def count_users_in_tier(session: Session, name: str) -> int:
-    return int(session.scalar(select(func.count()).where(UserLimit.tier == name)) or 0)
+def tier_has_users(session: Session, name: str) -> bool:
+    return session.scalar(select(UserLimit.user).where(UserLimit.tier == name).limit(1)) is not None
 
 
 def get_user(session: Session, user: str) -> UserLimit | None:
     return session.get(UserLimit, user)
 
 
+# Keeps IN (...) lists below SQLite's bound-parameter limit.
+_IN_CHUNK = 500
+
+
 def get_users(session: Session, users: Sequence[str]) -> dict[str, UserLimit]:
-    rows = session.scalars(select(UserLimit).where(UserLimit.user.in_(users)))
-    return {row.user: row for row in rows}
+    found: dict[str, UserLimit] = {}
+    for start in range(0, len(users), _IN_CHUNK):
+        chunk = users[start : start + _IN_CHUNK]
+        for row in session.scalars(select(UserLimit).where(UserLimit.user.in_(chunk))):
+            found[row.user] = row
+    return found
+
+
+def all_user_records(session: Session) -> dict[str, tuple[str | None, int | None]]:
+    rows = session.execute(select(UserLimit.user, UserLimit.tier, UserLimit.rate))
+    return {user: (tier, rate) for user, tier, rate in rows}
+
+
+def prefix_upper_bound(prefix: str) -> str | None:
+    """The smallest string above every string that starts with `prefix` (None: unbounded)."""
+    chars = list(prefix)
+    while chars:
+        last = ord(chars[-1])
+        if last < 0x10FFFF and not 0xD7FF <= last < 0xDFFF:
+            chars[-1] = chr(last + 1)
+            return "".join(chars)
+        chars.pop()
+    return None
+
+
+def _filter(query: Any, *, tier: str | None, prefix: str | None) -> Any:
+    if tier is not None:
+        query = query.where(UserLimit.tier == tier)
+    if prefix:
+        # A range on the (byte-ordered) key instead of LIKE: one index range on both
+        # databases, and no escaping of % and _.
+        query = query.where(UserLimit.user >= prefix)
+        upper = prefix_upper_bound(prefix)
+        if upper is not None:
+            query = query.where(UserLimit.user < upper)
+    return query
 
 
 def list_users(
     session: Session, *, offset: int, limit: int, tier: str | None, prefix: str | None
-) -> tuple[Sequence[UserLimit], int]:
-    query = select(UserLimit)
-    count_query = select(func.count()).select_from(UserLimit)
-    if tier is not None:
-        query = query.where(UserLimit.tier == tier)
-        count_query = count_query.where(UserLimit.tier == tier)
-    if prefix:
-        # A range on the primary key instead of LIKE: uses the index on both
-        # databases and needs no escaping of % and _.
-        upper = prefix + "\U0010ffff"
-        query = query.where(UserLimit.user >= prefix, UserLimit.user < upper)
-        count_query = count_query.where(UserLimit.user >= prefix, UserLimit.user < upper)
-    rows = session.scalars(query.order_by(UserLimit.user).offset(offset).limit(limit)).all()
-    total = int(session.scalar(count_query) or 0)
-    return rows, total
+) -> Sequence[UserLimit]:
+    query = _filter(select(UserLimit), tier=tier, prefix=prefix)
+    return session.scalars(query.order_by(UserLimit.user).offset(offset).limit(limit)).all()
+
+
+def count_users(session: Session, *, tier: str | None, prefix: str | None) -> int:
+    query = _filter(select(func.count()).select_from(UserLimit), tier=tier, prefix=prefix)
+    return int(session.scalar(query) or 0)
 
 
 def add_change(session: Session, *, version: int, ops: list[dict[str, Any]]) -> None:

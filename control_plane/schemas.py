@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import datetime
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,3 +44,105 @@ class DefaultIn(_Body):
 
 class TokenIn(_Body):
     name: Annotated[str, Field(strict=True, min_length=1, max_length=128, pattern=USER_ID_PATTERN)]
+
+
+# ---- responses (documented in OpenAPI, checked by the fuzz test) -------------
+
+
+class LimitOut(BaseModel):
+    user: str
+    tier: str | None
+    output_tokens_per_second: int | None = Field(description="The user's override, or null")
+    effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
+    source: Literal["override", "tier", "default"]
+    version: int
+
+
+class LimitPage(BaseModel):
+    items: list[LimitOut]
+    total: int
+
+
+class BulkOut(BaseModel):
+    version: int
+    num_changed: int
+
+
+class TierOut(BaseModel):
+    name: str
+    output_tokens_per_second: int | None
+    description: str
+    num_users: int
+    version: int
+
+
+class TierList(BaseModel):
+    items: list[TierOut]
+
+
+class DefaultOut(BaseModel):
+    output_tokens_per_second: int | None
+    version: int
+
+
+class EngineOut(BaseModel):
+    engine_id: str
+    model: str
+    applied_version: int
+    connected: bool
+    last_seen: datetime
+    first_seen: datetime
+
+
+class EngineList(BaseModel):
+    version: int
+    items: list[EngineOut]
+
+
+class UsageList(BaseModel):
+    items: list[dict[str, Any]]
+
+
+class AuditOut(BaseModel):
+    at: datetime
+    version: int
+    actor: str
+    action: str
+    target: str
+    before: Any
+    after: Any
+
+
+class AuditList(BaseModel):
+    items: list[AuditOut]
+
+
+class TokenCreated(BaseModel):
+    id: int
+    name: str
+    token: str = Field(description="The bearer token; shown only in this response")
+
+
+class TokenOut(BaseModel):
+    id: int
+    name: str
+    created_at: datetime
+    revoked: bool
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    field: str | None = None
+
+
+class ValidationErrorOut(BaseModel):
+    detail: list[dict[str, Any]]
+    message: str
+
+
+class Health(BaseModel):
+    status: str

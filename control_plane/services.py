@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,6 +19,10 @@ from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.models import ConfigState, Tier, UserLimit, ViewerToken
 
 MAX_BULK_ITEMS = 10_000
+MAX_PAGE = 1_000
+
+# session.info key: the version a write produced, for the on_commit hooks after commit.
+NEW_VERSION_KEY = "output_rate_new_version"
 
 
 @dataclass(frozen=True)
@@ -91,23 +96,30 @@ def get_limit(session: Session, *, user: str) -> dict[str, Any]:
 def list_limits(
     session: Session, *, offset: int, limit: int, tier: str | None, prefix: str | None
 ) -> dict[str, Any]:
-    rows, total = repo.list_users(session, offset=offset, limit=limit, tier=tier, prefix=prefix)
-    tier_rates = _tier_rates(session)
     state = repo.get_config(session)
+    rows = repo.list_users(session, offset=offset, limit=limit, tier=tier, prefix=prefix)
+    # Totals come from maintained counters; only a prefix filter needs an index range count.
+    if prefix:
+        total = repo.count_users(session, tier=tier, prefix=prefix)
+    elif tier is not None:
+        tier_row = repo.get_tier(session, tier)
+        total = tier_row.num_users if tier_row else 0
+    else:
+        total = state.num_users
+    tier_rates = _tier_rates(session)
     items = [limit_view(user=r.user, row=r, tier_rates=tier_rates, state=state) for r in rows]
     return {"items": items, "total": total}
 
 
 def list_tiers(session: Session) -> list[dict[str, Any]]:
-    counts = repo.count_users_by_tier(session)
-    return [tier_view(t, counts.get(t.name, 0)) for t in repo.list_tiers(session)]
+    return [tier_view(t, t.num_users) for t in repo.list_tiers(session)]
 
 
 def get_tier(session: Session, *, name: str) -> dict[str, Any]:
     tier = repo.get_tier(session, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
-    return tier_view(tier, repo.count_users_in_tier(session, name))
+    return tier_view(tier, tier.num_users)
 
 
 def get_default(session: Session) -> dict[str, Any]:
@@ -120,13 +132,21 @@ def current_version(session: Session) -> int:
 
 
 def load_snapshot(session: Session) -> Snapshot:
-    state = repo.get_config(session)
-    users, _ = repo.list_users(session, offset=0, limit=2**62, tier=None, prefix=None)
+    """Version, default, tiers and users as of one instant.
+
+    PostgreSQL runs the reads in one REPEATABLE READ transaction (so a concurrent write
+    is wholly in the snapshot or wholly after its version); one SQLite read transaction
+    already sees a single snapshot. Give it a session that has not started yet.
+    """
+    if not session.in_transaction() and session.get_bind().dialect.name == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+    state = session.get(ConfigState, repo.CONFIG_ROW_ID, populate_existing=True)
+    assert state is not None, "config_state row is created by the initial migration"
     return Snapshot(
         version=state.version,
         default_rate=state.default_rate,
         tiers=_tier_rates(session),
-        users={u.user: (u.tier, u.rate) for u in users},
+        users=repo.all_user_records(session),
     )
 
 
@@ -160,7 +180,18 @@ def _record(
         before=before,
         after=after,
     )
+    session.info[NEW_VERSION_KEY] = state.version
     return state.version
+
+
+def _count_users(
+    session: Session, state: ConfigState, *, new_users: int, tier_deltas: Counter[str | None]
+) -> None:
+    """Keep the user counters (total and per tier) in step with a user write."""
+    state.num_users += new_users
+    for name, delta in tier_deltas.items():
+        if name is not None and delta:
+            repo.add_tier_users(session, name, delta)
 
 
 def _require_tier(session: Session, tier: str | None) -> None:
@@ -187,12 +218,15 @@ def put_limit(
             after=after,
             ops=[{"op": "set_user", "user": user, "tier": tier, "rate": rate}],
         )
+        deltas: Counter[str | None] = Counter({tier: 1})
         if row is None:
             row = UserLimit(user=user, tier=tier, rate=rate, version=version)
             session.add(row)
         else:
+            deltas[row.tier] -= 1
             row.tier, row.rate, row.version = tier, rate, version
             row.updated_at = datetime.now(UTC)
+        _count_users(session, state, new_users=0 if before else 1, tier_deltas=deltas)
         session.flush()
     return limit_view(user=user, row=row, tier_rates=_tier_rates(session), state=state)
 
@@ -212,6 +246,7 @@ def delete_limit(session: Session, *, actor: str, user: str) -> None:
         after=None,
         ops=[{"op": "delete_user", "user": user}],
     )
+    _count_users(session, state, new_users=-1, tier_deltas=Counter({row.tier: -1}))
     session.delete(row)
     session.flush()
 
@@ -223,13 +258,21 @@ def bulk_put_limits(
     if len(items) > MAX_BULK_ITEMS:
         raise InvalidInput(f"items: at most {MAX_BULK_ITEMS} per request", field="items")
     users = [user for user, _, _ in items]
-    if len(set(users)) != len(users):
-        raise InvalidInput("items: a user appears twice", field="items")
+    first_index: dict[str, int] = {}
+    for index, user in enumerate(users):
+        if user in first_index:
+            raise InvalidInput(
+                f"items.{index}.user: user {user!r} already appears at items.{first_index[user]}",
+                field=f"items.{index}.user",
+            )
+        first_index[user] = index
     state = repo.lock_config(session)
     tiers = _tier_rates(session)
     for index, (_, _, tier) in enumerate(items):
         if tier is not None and tier not in tiers:
-            raise InvalidInput(f"items.{index}.tier: unknown tier {tier!r}", field="tier")
+            raise InvalidInput(
+                f"items.{index}.tier: unknown tier {tier!r}", field=f"items.{index}.tier"
+            )
     existing = repo.get_users(session, users)
     changed = [
         (user, rate, tier)
@@ -244,17 +287,24 @@ def bulk_put_limits(
         actor=actor,
         action="bulk_put_limits",
         target=f"{len(changed)} users",
-        before=None,
-        after={"users": [u for u, _, _ in changed[:100]], "num_users": len(changed)},
+        # One entry for one version, with every changed user's record before and after.
+        before={u: _user_record(existing.get(u)) for u, _, _ in changed},
+        after={u: {"tier": t, "output_tokens_per_second": r} for u, r, t in changed},
         ops=[{"op": "set_user", "user": u, "tier": t, "rate": r} for u, r, t in changed],
     )
     now = datetime.now(UTC)
+    deltas: Counter[str | None] = Counter()
+    new_users = 0
     for user, rate, tier in changed:
         row = existing.get(user)
+        deltas[tier] += 1
         if row is None:
+            new_users += 1
             session.add(UserLimit(user=user, tier=tier, rate=rate, version=version))
         else:
+            deltas[row.tier] -= 1
             row.tier, row.rate, row.version, row.updated_at = tier, rate, version, now
+    _count_users(session, state, new_users=new_users, tier_deltas=deltas)
     session.flush()
     return {"version": version, "num_changed": len(changed)}
 
@@ -283,14 +333,16 @@ def put_tier(
             ops=[{"op": "set_tier", "name": name, "rate": rate}],
         )
         if tier is None:
-            tier = Tier(name=name, rate=rate, description=new_description, version=version)
+            tier = Tier(
+                name=name, rate=rate, description=new_description, version=version, num_users=0
+            )
             session.add(tier)
         else:
             tier.rate, tier.description, tier.version = rate, new_description, version
             tier.updated_at = datetime.now(UTC)
         session.flush()
     assert tier is not None
-    return tier_view(tier, repo.count_users_in_tier(session, name))
+    return tier_view(tier, tier.num_users)
 
 
 def delete_tier(session: Session, *, actor: str, name: str) -> None:
@@ -298,8 +350,9 @@ def delete_tier(session: Session, *, actor: str, name: str) -> None:
     tier = repo.get_tier(session, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
-    num_users = repo.count_users_in_tier(session, name)
-    if num_users:
+    # The EXISTS (one index probe) guards against the counter ever drifting.
+    num_users = tier.num_users
+    if num_users or repo.tier_has_users(session, name):
         raise Conflict(f"tier {name!r} still has {num_users} users assigned", field="name")
     _record(
         session,
@@ -356,11 +409,25 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_viewer_token(session: Session, *, name: str) -> dict[str, Any]:
+def _audit_token(session: Session, *, actor: str, action: str, row: ViewerToken) -> None:
+    """Tokens are not limit configuration: audited, but the version does not move."""
+    repo.add_audit(
+        session,
+        version=repo.get_config(session).version,
+        actor=actor,
+        action=action,
+        target=f"token:{row.id}",
+        before=None if action == "create_token" else {"name": row.name, "revoked": False},
+        after={"name": row.name, "revoked": action == "revoke_token"},
+    )
+
+
+def create_viewer_token(session: Session, *, actor: str, name: str) -> dict[str, Any]:
     token = "orv_" + secrets.token_urlsafe(32)
     row = ViewerToken(name=name, token_hash=hash_token(token))
     session.add(row)
     session.flush()
+    _audit_token(session, actor=actor, action="create_token", row=row)
     return {"id": row.id, "name": name, "token": token}
 
 
@@ -376,12 +443,14 @@ def list_viewer_tokens(session: Session) -> list[dict[str, Any]]:
     ]
 
 
-def revoke_viewer_token(session: Session, *, token_id: int) -> None:
+def revoke_viewer_token(session: Session, *, actor: str, token_id: int) -> None:
+    """Idempotent: revoking a revoked token changes nothing."""
     row = session.get(ViewerToken, token_id)
     if row is None:
-        raise NotFound(f"token {token_id} does not exist", field="id")
+        raise NotFound(f"token {token_id} does not exist", field="token_id")
     if row.revoked_at is None:
         row.revoked_at = datetime.now(UTC)
+        _audit_token(session, actor=actor, action="revoke_token", row=row)
         session.flush()
 
 
