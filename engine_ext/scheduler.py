@@ -139,7 +139,7 @@ class OutputRateMixin:
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        self._apply_control_plane_updates()
+        self.apply_control_plane_updates()
         limiter = self.output_rate_limiter
         if limiter.is_unlimited:
             self.output_rate_wakeup_ns = None
@@ -409,7 +409,7 @@ class OutputRateMixin:
                 config.snapshot_timeout_s,
             )
 
-    def _apply_control_plane_updates(self) -> None:
+    def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
             self.push_client.apply_pending(self.output_rate_limiter)
 
