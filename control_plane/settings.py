@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     # CURVE keys (Z85) of the push endpoint, from `output-rate keys`; unset = plain TCP.
     zmq_secret_key: SecretStr | None = None
     zmq_public_key: str | None = None
+    # Comma-separated CURVE public keys of the engines allowed to connect (from
+    # `output-rate keys`); empty = any engine that knows the server's public key.
+    zmq_client_keys: str = ""
     # Seconds without a heartbeat before an engine is shown as disconnected.
     engine_timeout_s: float = 5.0
 

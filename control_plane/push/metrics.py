@@ -1,0 +1,53 @@
+"""Prometheus view of the push server: engines, applied versions, live usage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from control_plane.push.server import PushServer
+
+
+class PushCollector(Collector):
+    def __init__(self, server: PushServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        peers = list(self._server.peers.values())
+        connected = GaugeMetricFamily(
+            "output_rate_engines_connected", "Engines connected to the push endpoint"
+        )
+        connected.add_metric([], len({peer.engine_id for peer in peers}))
+        yield connected
+        applied = GaugeMetricFamily(
+            "output_rate_engine_applied_version",
+            "Config version each connected engine applied",
+            labels=["engine_id"],
+        )
+        for peer in peers:
+            applied.add_metric([peer.engine_id], peer.applied_version)
+        yield applied
+        dropped = CounterMetricFamily(
+            "output_rate_push_dropped_messages", "Malformed engine messages dropped"
+        )
+        dropped.add_metric([], self._server.num_dropped)
+        yield dropped
+        rate = GaugeMetricFamily(
+            "output_rate_user_output_tokens_per_second",
+            "Output tokens/s per user over the last 10 s, summed over engines",
+            labels=["user"],
+        )
+        throttled = GaugeMetricFamily(
+            "output_rate_user_throttled_fraction",
+            "Fraction of a user's request-steps refused a token over the last 10 s",
+            labels=["user"],
+        )
+        for usage in self._server.usage.totals():
+            rate.add_metric([usage.user], usage.tokens_per_s_10s)
+            throttled.add_metric([usage.user], usage.throttled_fraction)
+        yield rate
+        yield throttled

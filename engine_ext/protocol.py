@@ -1,0 +1,178 @@
+"""Wire protocol between the control plane and engines (used by both sides).
+
+Imports neither vLLM nor SQLAlchemy. Every message is one ZMQ frame: a
+one-byte message type followed by a msgpack-encoded msgspec struct. Decoding
+validates everything (types, rate ranges, op shapes) before a message is
+handed on, so a malformed delta is dropped whole and never half applied.
+
+Model (after Envoy xDS and the ZeroMQ guide's Clustered Hashmap Protocol):
+an engine says HELLO with the version it holds and gets a full SNAPSHOT before
+anything else, then every change as a DELTA whose version is exactly one more
+than the last; it ACKs every version it applied. Both sides send HEARTBEATs:
+the server's carries the last version it sent to that engine (sent after that
+version's frame on the same connection, so an engine holding less knows a
+frame was lost); the engine's carries the version it applied. A gap, a silent
+server or a reconnect make the engine ask for a fresh snapshot (RESYNC).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+# Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Engines only send small messages (usage reports of at most MAX_USAGE_USERS users).
+MAX_ENGINE_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_USAGE_USERS = 20_000
+HEARTBEAT_INTERVAL_S = 1.0
+# The engine treats the server as gone after this long without any frame.
+SERVER_SILENCE_S = 3.5
+# A snapshot asked for and not received within this long is asked for again.
+RESYNC_RETRY_S = 2.0
+
+HELLO = 1
+SNAPSHOT = 2
+DELTA = 3
+ACK = 4
+HEARTBEAT = 5
+USAGE = 6
+RESYNC = 7
+
+Rate = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Version = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+# ---- the ops of a delta (the rows of config_changes.ops) ----------------------
+
+
+class SetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
+    user: Name
+    tier: Name | None = None
+    rate: Rate = None
+
+
+class DeleteUser(msgspec.Struct, frozen=True, tag_field="op", tag="delete_user"):
+    user: Name
+
+
+class SetTier(msgspec.Struct, frozen=True, tag_field="op", tag="set_tier"):
+    name: Name
+    rate: Rate = None
+
+
+class DeleteTier(msgspec.Struct, frozen=True, tag_field="op", tag="delete_tier"):
+    name: Name
+
+
+class SetDefault(msgspec.Struct, frozen=True, tag_field="op", tag="set_default"):
+    rate: Rate = None
+
+
+Op = SetUser | DeleteUser | SetTier | DeleteTier | SetDefault
+
+
+# ---- messages -----------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True):
+    engine_id: Name
+    model: str
+    version: Version
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    version: Version
+    default_rate: Rate
+    tiers: dict[Name, Rate]
+    # user -> (tier, override rate)
+    users: dict[Name, tuple[Name | None, Rate]]
+
+
+class Delta(msgspec.Struct, frozen=True):
+    version: Version
+    ops: list[Op]
+
+
+class Ack(msgspec.Struct, frozen=True):
+    engine_id: Name
+    version: Version
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    # Server: the last version it sent this engine. Engine: the version it applied.
+    version: Version
+    # Set by engines, so a restarted server can tell who is talking.
+    engine_id: str = ""
+    model: str = ""
+
+
+class Usage(msgspec.Struct, frozen=True):
+    engine_id: Name
+    # Seconds the counts cover (measured by the engine).
+    interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    # user -> output tokens granted / request-steps refused a token, in the interval
+    granted: dict[Name, Count]
+    throttled: dict[Name, Count]
+
+
+class Resync(msgspec.Struct, frozen=True):
+    engine_id: Name
+    version: Version
+
+
+Message = Hello | Snapshot | Delta | Ack | Heartbeat | Usage | Resync
+
+TYPES: dict[int, type[Message]] = {
+    HELLO: Hello,
+    SNAPSHOT: Snapshot,
+    DELTA: Delta,
+    ACK: Ack,
+    HEARTBEAT: Heartbeat,
+    USAGE: Usage,
+    RESYNC: Resync,
+}
+TYPE_OF: dict[type[Message], int] = {cls: code for code, cls in TYPES.items()}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {code: msgspec.msgpack.Decoder(cls) for code, cls in TYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; the receiver drops and counts it."""
+
+
+def encode(message: Message) -> bytes:
+    return TYPE_OF[type(message)].to_bytes(1, "big") + _encoder.encode(message)
+
+
+def decode(frame: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    if not frame or len(frame) > max_bytes:
+        raise ProtocolError(f"bad frame size {len(frame)}")
+    decoder = _decoders.get(frame[0])
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {frame[0]}")
+    try:
+        message: Message = decoder.decode(memoryview(frame)[1:])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"{TYPES[frame[0]].__name__}: {e}") from None
+    if isinstance(message, Usage) and len(message.granted) + len(message.throttled) > (
+        2 * MAX_USAGE_USERS
+    ):
+        raise ProtocolError("usage report names too many users")
+    return message
+
+
+def ops_from_rows(rows: list[dict[str, object]]) -> list[Op]:
+    """Validate ops as stored in config_changes (server side, before sending)."""
+    try:
+        return msgspec.convert(rows, list[Op])
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"bad op in the change log: {e}") from None
+
+
+def peek_type(frame: bytes) -> int | None:
+    return frame[0] if frame else None

@@ -1,0 +1,337 @@
+"""Engine side of the live push: receives limits from the control plane.
+
+Threads: the IO thread owns the DEALER socket and only moves frames between
+it and two queues (and reconnects when the server falls silent). Decoding,
+version checks and limiter updates happen on the engine thread in
+``apply_pending``, called by the scheduler at the start of every
+``schedule()``, so the limiter is never touched concurrently and the hot path
+takes no lock beyond an emptiness check of a queue.
+
+Usage: the scheduler counts granted tokens and throttled request-steps per
+user in plain dicts and hands them over with ``report_usage`` about once a
+second; the client takes ownership of the dicts (the caller starts new ones),
+and the IO thread encodes and sends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from engine_ext import protocol as p
+from engine_ext.limiter import OutputRateLimiter
+from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
+
+logger = logging.getLogger(__name__)
+
+
+class LimitTable:
+    """The control plane's model (default, tiers, users), flattened into limiter calls.
+
+    It keeps the tier and user tables because one op can change many users'
+    effective rates (a tier's new rate applies to every user of that tier).
+    """
+
+    def __init__(self) -> None:
+        self.default_rate: int | None = None
+        self.tiers: dict[str, int | None] = {}
+        # user -> (tier, override)
+        self.users: dict[str, tuple[str | None, int | None]] = {}
+        # tier -> users assigned to it
+        self.members: dict[str, set[str]] = {}
+
+    def effective_user_rates(self) -> dict[str, int | None]:
+        """Per-user limiter rates; users with neither tier nor override get the default."""
+        rates: dict[str, int | None] = {}
+        tiers = self.tiers
+        for user, (tier, override) in self.users.items():
+            if override is not None:
+                rates[user] = override
+            elif tier is not None:
+                rates[user] = tiers.get(tier)
+        return rates
+
+    def load(self, snapshot: p.Snapshot, limiter: OutputRateLimiter) -> None:
+        self.default_rate = snapshot.default_rate
+        self.tiers = dict(snapshot.tiers)
+        self.users = dict(snapshot.users)
+        self.members = {}
+        for user, (tier, _) in self.users.items():
+            if tier is not None:
+                self.members.setdefault(tier, set()).add(user)
+        limiter.replace_all(self.default_rate, self.effective_user_rates())
+
+    def apply(self, op: p.Op, limiter: OutputRateLimiter) -> None:
+        if isinstance(op, p.SetUser):
+            self._forget_user(op.user)
+            self.users[op.user] = (op.tier, op.rate)
+            if op.tier is not None:
+                self.members.setdefault(op.tier, set()).add(op.user)
+            self._sync_user(op.user, limiter)
+        elif isinstance(op, p.DeleteUser):
+            self._forget_user(op.user)
+            limiter.clear_rate(op.user)
+        elif isinstance(op, p.SetTier):
+            self.tiers[op.name] = op.rate
+            for user in self.members.get(op.name, ()):
+                self._sync_user(user, limiter)
+        elif isinstance(op, p.DeleteTier):
+            self.tiers.pop(op.name, None)
+            for user in self.members.pop(op.name, set()):
+                self._sync_user(user, limiter)
+        else:
+            self.default_rate = op.rate
+            limiter.set_default_rate(op.rate)
+
+    def _forget_user(self, user: str) -> None:
+        old = self.users.pop(user, None)
+        if old is not None and old[0] is not None:
+            self.members.get(old[0], set()).discard(user)
+
+    def _sync_user(self, user: str, limiter: OutputRateLimiter) -> None:
+        tier, override = self.users.get(user, (None, None))
+        if override is not None:
+            limiter.set_rate(user, override)
+        elif tier is not None:
+            limiter.set_rate(user, self.tiers.get(tier))
+        else:
+            limiter.clear_rate(user)
+
+
+class PushClient:
+    """One engine's connection to the control plane's push endpoint."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        engine_id: str,
+        model: str,
+        server_public_key: str | None,
+        wake: Callable[[], None] = lambda: None,
+        client_secret_key: str | None = None,
+        heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
+        silence_s: float = p.SERVER_SILENCE_S,
+        resync_retry_s: float = p.RESYNC_RETRY_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self.engine_id = engine_id
+        self.model = model
+        self._server_public_key = server_public_key
+        self._client_secret_key = client_secret_key or os.environ.get(ENGINE_SECRET_KEY_ENV)
+        self._wake = wake
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._silence_s = silence_s
+        self._resync_retry_s = resync_retry_s
+        self._inbound: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._outbound: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
+        # Written by any thread to end the IO thread's poll (outbound data, close).
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._snapshot_seen = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name="output-rate-push", daemon=True)
+        # Engine-thread state.
+        self.table = LimitTable()
+        self.applied_version = 0
+        self.has_snapshot = False
+        # Waiting for a snapshot: deltas are ignored until it arrives.
+        self._resyncing = True
+        self._resync_asked_at = time.monotonic()
+        self._last_usage_at = time.monotonic()
+        self.num_dropped = 0
+        self.num_resyncs = 0
+        # IO-thread state.
+        self.num_reconnects = 0
+
+    # ---- engine thread --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._poke()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def wait_for_snapshot(self, timeout_s: float) -> bool:
+        """Block until the first snapshot has arrived (``apply_pending`` applies it)."""
+        return self._snapshot_seen.wait(timeout_s)
+
+    def apply_pending(self, limiter: OutputRateLimiter) -> int:
+        """Apply what arrived since the last call; return the number of versions applied."""
+        inbound = self._inbound
+        if inbound.empty() and not self._resyncing:
+            return 0
+        num_applied = 0
+        while not inbound.empty():
+            frame = inbound.get_nowait()
+            try:
+                num_applied += self._handle(p.decode(frame), limiter)
+            except p.ProtocolError as e:
+                self.num_dropped += 1
+                logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
+                # Whatever it carried is lost: only a snapshot is safe now.
+                self._request_resync("bad message")
+        if self._resyncing and time.monotonic() - self._resync_asked_at > self._resync_retry_s:
+            self._request_resync("no snapshot yet")
+        return num_applied
+
+    def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
+        """Hand over this interval's counters (the client keeps the dicts)."""
+        now = time.monotonic()
+        interval = min(max(now - self._last_usage_at, 1e-3), 3600.0)
+        self._last_usage_at = now
+        if not granted and not throttled:
+            return
+        if len(granted) + len(throttled) > 2 * p.MAX_USAGE_USERS:
+            granted = dict(list(granted.items())[: p.MAX_USAGE_USERS])
+            throttled = dict(list(throttled.items())[: p.MAX_USAGE_USERS])
+        self._send(p.Usage(self.engine_id, interval, granted, throttled))
+
+    def _handle(self, message: p.Message, limiter: OutputRateLimiter) -> int:
+        if isinstance(message, p.Snapshot):
+            # Always taken: the database is the truth, even if it went back (a restore).
+            self.table.load(message, limiter)
+            self.applied_version = message.version
+            self.has_snapshot = True
+            self._resyncing = False
+            self._send(p.Ack(self.engine_id, message.version))
+            return 1
+        if isinstance(message, p.Delta):
+            if self._resyncing or message.version <= self.applied_version:
+                return 0  # a duplicate, or older than the snapshot on its way
+            if message.version != self.applied_version + 1:
+                self._request_resync(f"gap: have {self.applied_version}, got {message.version}")
+                return 0
+            for op in message.ops:
+                self.table.apply(op, limiter)
+            self.applied_version = message.version
+            self._send(p.Ack(self.engine_id, message.version))
+            return 1
+        if isinstance(message, p.Heartbeat):
+            # The server sends its heartbeat after every frame up to message.version.
+            if not self._resyncing and message.version != self.applied_version:
+                self._request_resync(
+                    f"server sent up to {message.version}, applied {self.applied_version}"
+                )
+            return 0
+        raise p.ProtocolError(f"unexpected {type(message).__name__} from the control plane")
+
+    def _request_resync(self, reason: str) -> None:
+        logger.info("output-rate: requesting a snapshot (%s)", reason)
+        self.num_resyncs += 1
+        self._resyncing = True
+        self._resync_asked_at = time.monotonic()
+        self._send(p.Resync(self.engine_id, self.applied_version))
+
+    def _send(self, message: p.Message) -> None:
+        self._outbound.put(message)
+        self._poke()
+
+    def _poke(self) -> None:
+        # A full pipe means the IO thread is already due to wake up.
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_write, b"\0")
+
+    # ---- IO thread: moves frames, reconnects ----------------------------
+
+    def _connect(self, context: zmq.Context) -> zmq.Socket:
+        sock = make_socket(
+            context,
+            zmq.DEALER,
+            server_public_key=self._server_public_key,
+            client_secret_key=self._client_secret_key,
+        )
+        sock.connect(self.endpoint)
+        # A new connection always starts with a snapshot: HELLO makes the server send one.
+        hello = p.Hello(self.engine_id, self.model, self.applied_version)
+        sock.send(p.encode(hello), zmq.NOBLOCK)
+        return sock
+
+    def _io_loop(self) -> None:
+        context = zmq.Context()
+        sock: zmq.Socket | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    sock = self._connect(context)
+                    self._serve(sock)
+                except zmq.ZMQError as e:
+                    logger.warning("output-rate: control plane socket error: %s", e)
+                    self._stop.wait(0.5)
+                finally:
+                    if sock is not None:
+                        sock.close(linger=0)
+                        sock = None
+                if not self._stop.is_set():
+                    self.num_reconnects += 1
+                    if self.num_reconnects == 1 or self.num_reconnects % 20 == 0:
+                        logger.warning(
+                            "output-rate: no word from the control plane at %s for %.1fs; "
+                            "reconnecting (keeping the last limits)",
+                            self.endpoint,
+                            self._silence_s,
+                        )
+        finally:
+            context.term()
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        """Move frames until the server falls silent or the client closes."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_heartbeat = last_heard
+        while not self._stop.is_set():
+            timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
+            events = dict(poller.poll(timeout_ms))
+            if sock in events:
+                woke = False
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    kind = p.peek_type(frame)
+                    if kind == p.SNAPSHOT:
+                        self._snapshot_seen.set()
+                    self._inbound.put(frame)
+                    woke = woke or kind != p.HEARTBEAT
+                last_heard = time.monotonic()
+                if woke:
+                    self._wake()
+            if self._wake_read in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 4096)
+            self._flush(sock)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + self._heartbeat_interval_s
+                beat = p.Heartbeat(self.applied_version, self.engine_id, self.model)
+                with contextlib.suppress(zmq.Again):
+                    sock.send(p.encode(beat), zmq.NOBLOCK)
+            if now - last_heard > self._silence_s:
+                return
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while not self._outbound.empty():
+            message = self._outbound.get_nowait()
+            try:
+                sock.send(p.encode(message), zmq.NOBLOCK)
+            except zmq.Again:
+                # Not connected (or the server is not reading): acks are restated by
+                # heartbeats, a lost resync request is retried, usage is best effort.
+                return

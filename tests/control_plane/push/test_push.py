@@ -1,0 +1,242 @@
+"""Live push over real ZMQ sockets on 127.0.0.1, against a real SQLite database.
+
+The server runs in-process (its own thread, as in `output-rate serve`); the
+engines are protocol clients (``PushClient``) feeding real limiters, driven
+here the way the scheduler drives them between steps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane import services
+from control_plane.db import make_engine, make_session_factory
+from control_plane.push.server import PushServer
+from engine_ext import protocol as p
+from engine_ext.limiter import OutputRateLimiter
+from engine_ext.push_client import LimitTable, PushClient
+from tests.control_plane.factories import fresh_database
+
+WAIT_S = 20.0
+
+
+@pytest.fixture
+def session_factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    with fresh_database("sqlite", tmp_path) as url:
+        engine = make_engine(url)
+        yield make_session_factory(engine)
+        engine.dispose()
+
+
+def write(factory: sessionmaker[Session], server: PushServer | None, fn: Callable, **kw) -> None:
+    with factory() as session:
+        fn(session, actor="test", **kw)
+        session.commit()
+        version = services.current_version(session)
+    if server is not None:
+        server.notify(version)
+
+
+def expected(factory: sessionmaker[Session]) -> tuple[int, int | None, dict[str, int | None]]:
+    with factory() as session:
+        snap = services.load_snapshot(session)
+    limiter = OutputRateLimiter(None)
+    LimitTable().load(p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users), limiter)
+    return snap.version, limiter.default_rate, limiter.user_rates()
+
+
+class Engine:
+    """A protocol client and the limiter it feeds."""
+
+    def __init__(self, endpoint: str, name: str, public_key: str | None = None) -> None:
+        self.limiter = OutputRateLimiter(None)
+        self.client = PushClient(
+            endpoint=endpoint, engine_id=name, model="tiny", server_public_key=public_key
+        )
+        self.client.start()
+
+    def state(self) -> tuple[int, int | None, dict[str, int | None]]:
+        self.client.apply_pending(self.limiter)
+        return self.client.applied_version, self.limiter.default_rate, self.limiter.user_rates()
+
+
+def converge(engines: list[Engine], factory: sessionmaker[Session], timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    want = expected(factory)
+    while time.monotonic() < deadline:
+        if all(e.state() == want for e in engines):
+            return want
+        time.sleep(0.02)
+    raise AssertionError(f"not converged to {want[0]}: {[e.state()[0] for e in engines]}")
+
+
+@pytest.fixture
+def server(session_factory: sessionmaker[Session]) -> Iterator[PushServer]:
+    srv = PushServer(endpoint="tcp://127.0.0.1:0", session_factory=session_factory)
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def seed(factory: sessionmaker[Session]) -> None:
+    write(factory, None, services.put_tier, name="free", rate=20, description=None)
+    write(factory, None, services.put_default, rate=50)
+    write(factory, None, services.put_limit, user="a", rate=None, tier="free")
+    write(factory, None, services.put_limit, user="b", rate=7, tier="free")
+
+
+def test_snapshot_then_deltas_then_acks(session_factory, server: PushServer) -> None:
+    seed(session_factory)
+    engine = Engine(server.endpoint, "e1")
+    try:
+        version, default, rates = converge([engine], session_factory)
+        assert (default, rates) == (50, {"a": 20, "b": 7})
+        write(session_factory, server, services.put_tier, name="free", rate=99, description=None)
+        version, _, rates = converge([engine], session_factory)
+        assert rates == {"a": 99, "b": 7}
+        assert engine.limiter.rate_of("nobody") == 50
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            with session_factory() as session:
+                engines = services.list_engines(session, timeout_s=5)["items"]
+            if engines and engines[0]["applied_version"] == version:
+                break
+            time.sleep(0.05)
+        assert engines[0]["engine_id"] == "e1"
+        assert engines[0]["connected"] is True
+        assert engines[0]["applied_version"] == version
+    finally:
+        engine.client.close()
+
+
+class FaultyServer(PushServer):
+    """Drops and reorders deltas at the socket seam."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(3)
+        self.held: list[tuple[bytes, bytes]] = []
+        self.num_faults = 0
+
+    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> None:
+        if p.peek_type(frame) == p.DELTA and self.rng.random() < 0.3:
+            self.num_faults += 1
+            if self.rng.random() < 0.5:
+                return  # dropped
+            self.held.append((identity, frame))  # delivered later, out of order
+            return
+        super()._send(router, identity, frame)
+        while self.held and self.rng.random() < 0.5:
+            super()._send(router, *self.held.pop())
+
+
+def test_dropped_and_reordered_deltas_resync_to_the_database(session_factory) -> None:
+    server = FaultyServer(endpoint="tcp://127.0.0.1:0", session_factory=session_factory)
+    server.start()
+    engine = Engine(server.endpoint, "e1")
+    try:
+        converge([engine], session_factory)
+        for i in range(60):
+            write(
+                session_factory, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None
+            )
+            engine.state()
+        assert server.num_faults > 0
+        converge([engine], session_factory)
+        assert engine.client.num_resyncs > 0
+    finally:
+        engine.client.close()
+        server.close()
+
+
+def test_twenty_engines_converge_after_a_burst_of_1000_changes(
+    session_factory, server: PushServer
+) -> None:
+    seed(session_factory)
+    engines = [Engine(server.endpoint, f"e{i}") for i in range(20)]
+    try:
+        converge(engines, session_factory)
+        rng = random.Random(1)
+        for _ in range(1000):
+            kind = rng.random()
+            if kind < 0.7:
+                tier = rng.choice([None, "free"])
+                rate = rng.choice([None, rng.randint(1, 1000)])
+                write(
+                    session_factory,
+                    server,
+                    services.put_limit,
+                    user=f"u{rng.randrange(200)}",
+                    rate=rate,
+                    tier=tier,
+                )
+            elif kind < 0.85:
+                write(
+                    session_factory,
+                    server,
+                    services.put_tier,
+                    name="free",
+                    rate=rng.randint(1, 500),
+                    description=None,
+                )
+            else:
+                write(
+                    session_factory,
+                    server,
+                    services.put_default,
+                    rate=rng.choice([None, rng.randint(1, 100)]),
+                )
+        version, _, _ = converge(engines, session_factory, timeout_s=60)
+        assert version > 900
+    finally:
+        for e in engines:
+            e.client.close()
+
+
+def test_wrong_server_key_gets_nothing(session_factory) -> None:
+    public, secret = zmq.curve_keypair()
+    wrong_public, _ = zmq.curve_keypair()
+    server = PushServer(
+        endpoint="tcp://127.0.0.1:0", session_factory=session_factory, secret_key=secret.decode()
+    )
+    server.start()
+    seed(session_factory)
+    good = Engine(server.endpoint, "good", public.decode())
+    bad = Engine(server.endpoint, "bad", wrong_public.decode())
+    plain = Engine(server.endpoint, "plain", None)
+    try:
+        converge([good], session_factory)
+        time.sleep(1.0)
+        for engine in (bad, plain):
+            assert engine.state() == (0, None, {})
+            assert not engine.client.has_snapshot
+    finally:
+        for e in (good, bad, plain):
+            e.client.close()
+        server.close()
+
+
+def test_garbage_frames_are_dropped_and_counted(session_factory, server: PushServer) -> None:
+    seed(session_factory)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    for frame in (b"", b"\xff", bytes([p.HELLO]) + b"\x00garbage", bytes([p.ACK]) + b"\x93"):
+        sock.send(frame)
+    sock.send_multipart([b"a", b"b", b"c"])
+    engine = Engine(server.endpoint, "e1")
+    try:
+        converge([engine], session_factory)
+        assert server.num_dropped >= 4
+    finally:
+        engine.client.close()
+        sock.close()
+        context.term()
