@@ -79,16 +79,10 @@ def start_push_server(app: FastAPI, settings: Settings) -> Any:
     return server
 
 
-def keys() -> int:
-    import zmq
+def keys(args: argparse.Namespace) -> int:
+    from control_plane.push.keys import run
 
-    public, secret = zmq.curve_keypair()
-    print(f"OUTPUT_RATE_ZMQ_PUBLIC_KEY={public.decode()}")
-    print(f"OUTPUT_RATE_ZMQ_SECRET_KEY={secret.decode()}")
-    print(
-        "# Give engines the public key: --control-plane-public-key " + public.decode(),
-        file=sys.stderr,
-    )
+    print(run(out_dir=args.out, num_engines=args.engines), end="")
     return 0
 
 
@@ -107,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     db_commands.add_parser("upgrade", help="upgrade to the latest schema")
     down = db_commands.add_parser("downgrade", help="downgrade to a revision")
     down.add_argument("revision")
-    commands.add_parser("keys", help="print a new CURVE key pair for the push endpoint")
+    keys_parser = commands.add_parser(
+        "keys", help="make CURVE key pairs for the push endpoint and its engines"
+    )
+    keys_parser.add_argument(
+        "--out", type=Path, default=None, help="write <out>/control-plane.env, engine-N.env"
+    )
+    keys_parser.add_argument("--engines", type=int, default=1, help="engine key pairs to make")
     args = parser.parse_args(argv)
 
     settings = Settings()
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             downgrade(settings.database_url, args.revision)
         return 0
-    return keys()
+    return keys(args)
 
 
 if __name__ == "__main__":

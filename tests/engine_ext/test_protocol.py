@@ -1,0 +1,147 @@
+"""The wire protocol: every message round-trips; anything malformed is refused whole."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine_ext import protocol as p
+
+MESSAGES: list[p.Message] = [
+    p.Hello("engine-1", "tiny", 7),
+    p.Snapshot(
+        version=12,
+        default_rate=None,
+        tiers={"free": 20, "pro": None},
+        users={"a": ("free", None), "b": (None, 5), "c": ("pro", 1_000_000)},
+    ),
+    p.Delta(
+        13,
+        [
+            p.SetUser("a", "pro", None),
+            p.SetUser("b", None, 7),
+            p.DeleteUser("c"),
+            p.SetTier("free", 30),
+            p.SetTier("pro", None),
+            p.DeleteTier("old"),
+            p.SetDefault(None),
+            p.SetDefault(1),
+        ],
+    ),
+    p.Ack("engine-1", 13),
+    p.Heartbeat(13),
+    p.Heartbeat(13, "engine-1", "tiny"),
+    p.Usage("engine-1", 1.02, {"a": 40, "b": 3}, {"a": 12}),
+    p.Resync("engine-1", 11),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: p.Message) -> None:
+    frame = p.encode(message)
+    assert frame[0] == p.TYPE_OF[type(message)]
+    assert p.decode(frame) == message
+
+
+def test_ops_are_tagged_as_in_the_change_log() -> None:
+    rows: list[dict[str, object]] = [
+        {"op": "set_user", "user": "a", "tier": "free", "rate": None},
+        {"op": "delete_user", "user": "a"},
+        {"op": "set_tier", "name": "free", "rate": 3},
+        {"op": "delete_tier", "name": "free"},
+        {"op": "set_default", "rate": None},
+    ]
+    ops = p.ops_from_rows(rows)
+    assert [type(op) for op in ops] == [
+        p.SetUser,
+        p.DeleteUser,
+        p.SetTier,
+        p.DeleteTier,
+        p.SetDefault,
+    ]
+    # The server sends typed ops; their encoding is exactly the stored rows.
+    assert msgspec.json.decode(msgspec.json.encode(ops)) == rows
+
+
+def _frame(kind: int, payload: object) -> bytes:
+    return bytes([kind]) + msgspec.msgpack.encode(payload)
+
+
+BAD_FRAMES = {
+    "empty": b"",
+    "unknown type": b"\xff\x80",
+    "type zero": b"\x00\x80",
+    "not msgpack": bytes([p.DELTA]) + b"\xc1\xc1",
+    "truncated": p.encode(MESSAGES[2])[:-3],
+    "wrong struct": _frame(p.DELTA, {"engine_id": "x", "model": "m", "version": 1}),
+    "negative version": _frame(p.ACK, {"engine_id": "x", "version": -1}),
+    "zero rate": _frame(p.DELTA, {"version": 2, "ops": [{"op": "set_default", "rate": 0}]}),
+    "huge rate": _frame(
+        p.DELTA, {"version": 2, "ops": [{"op": "set_tier", "name": "t", "rate": 10**7}]}
+    ),
+    "fractional rate": _frame(
+        p.DELTA, {"version": 2, "ops": [{"op": "set_user", "user": "u", "rate": 2.5}]}
+    ),
+    "string rate": _frame(
+        p.DELTA, {"version": 2, "ops": [{"op": "set_user", "user": "u", "rate": "5"}]}
+    ),
+    "unknown op": _frame(p.DELTA, {"version": 2, "ops": [{"op": "drop_table", "name": "t"}]}),
+    "op without user": _frame(p.DELTA, {"version": 2, "ops": [{"op": "delete_user"}]}),
+    "empty user": _frame(p.DELTA, {"version": 2, "ops": [{"op": "delete_user", "user": ""}]}),
+    "snapshot bad user": _frame(
+        p.SNAPSHOT, {"version": 1, "default_rate": None, "tiers": {}, "users": {"u": [None, 0]}}
+    ),
+    "usage negative": _frame(
+        p.USAGE, {"engine_id": "e", "interval_s": 1.0, "granted": {"u": -1}, "throttled": {}}
+    ),
+    "usage zero interval": _frame(
+        p.USAGE, {"engine_id": "e", "interval_s": 0.0, "granted": {}, "throttled": {}}
+    ),
+}
+
+
+@pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=list(BAD_FRAMES))
+def test_malformed_frames_are_refused(frame: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_a_bad_op_refuses_the_whole_delta() -> None:
+    frame = _frame(
+        p.DELTA,
+        {
+            "version": 2,
+            "ops": [{"op": "set_default", "rate": 5}, {"op": "set_default", "rate": -5}],
+        },
+    )
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_oversized_frames_are_refused_before_decoding() -> None:
+    frame = p.encode(p.Usage("e", 1.0, {f"u{i}": i for i in range(2000)}, {}))
+    assert p.decode(frame).engine_id == "e"  # type: ignore[union-attr]
+    with pytest.raises(p.ProtocolError, match="size"):
+        p.decode(frame, max_bytes=len(frame) - 1)
+
+
+def test_usage_naming_too_many_users_is_refused() -> None:
+    many = {f"u{i}": 1 for i in range(p.MAX_USAGE_USERS + 1)}
+    with pytest.raises(p.ProtocolError, match="too many"):
+        p.decode(p.encode(p.Usage("e", 1.0, many, dict(many))))
+
+
+def test_bad_rows_in_the_change_log_are_refused() -> None:
+    with pytest.raises(p.ProtocolError):
+        p.ops_from_rows([{"op": "set_default", "rate": 0}])
+
+
+def test_a_large_snapshot_fits() -> None:
+    users = {
+        f"user-{i:07d}": ("free" if i % 2 else None, None if i % 2 else i % 1000 + 1)
+        for i in range(100_000)
+    }
+    snap = p.Snapshot(1, 10, {"free": 20}, users)
+    frame = p.encode(snap)
+    assert len(frame) < p.MAX_MESSAGE_BYTES
+    assert p.decode(frame) == snap

@@ -1,0 +1,278 @@
+"""PushClient against a scripted server: a real ROUTER socket on 127.0.0.1 that
+this test drives frame by frame, so every fault (a gap, a duplicate, garbage, a
+lost tail, silence) is exact. The limiter is the real one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from engine_ext import protocol as p
+from engine_ext.limiter import OutputRateLimiter
+from engine_ext.push_client import LimitTable, PushClient
+
+WAIT_S = 15.0
+
+
+class ScriptedServer:
+    def __init__(self, secret_key: str | None = None) -> None:
+        # Called while waiting: the engine thread's part of a test engine.
+        self.pump: Callable[[], object] = lambda: None
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if secret_key is not None:
+            self.sock.curve_secretkey = secret_key.encode()
+            self.sock.curve_server = True
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, kind: type[p.Message], timeout_s: float = WAIT_S) -> tuple[bytes, p.Message]:
+        """The next message of this kind (others, e.g. heartbeats, are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.pump()
+            if self.sock.poll(20):
+                identity, frame = self.sock.recv_multipart()
+                message = p.decode(frame)
+                if isinstance(message, kind):
+                    return identity, message
+        raise AssertionError(f"no {kind.__name__} within {timeout_s}s")
+
+    def send(self, identity: bytes, message: p.Message | bytes) -> None:
+        frame = message if isinstance(message, bytes) else p.encode(message)
+        self.sock.send_multipart([identity, frame])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedServer]:
+    srv = ScriptedServer()
+    yield srv
+    srv.close()
+
+
+class Engine:
+    def __init__(self, endpoint: str, **kwargs: object) -> None:
+        self.limiter = OutputRateLimiter(None, {"flag-user": 3})
+        self.wakes = 0
+        self.client = PushClient(
+            endpoint=endpoint,
+            engine_id="e1",
+            model="tiny",
+            server_public_key=None,
+            wake=self._wake,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.client.start()
+
+    def _wake(self) -> None:
+        self.wakes += 1
+
+    def until(self, condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+        """Run the engine thread's part (apply_pending) until the condition holds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.client.apply_pending(self.limiter)
+            if condition():
+                return
+            time.sleep(0.005)
+        raise AssertionError("condition not reached")
+
+
+@pytest.fixture
+def engine(server: ScriptedServer) -> Iterator[Engine]:
+    e = Engine(server.endpoint)
+    server.pump = lambda: e.client.apply_pending(e.limiter)
+    yield e
+    e.client.close()
+
+
+SNAP = p.Snapshot(
+    version=5,
+    default_rate=50,
+    tiers={"free": 20, "pro": None},
+    users={"a": ("free", None), "b": ("free", 7), "c": (None, 9), "d": ("pro", None)},
+)
+
+
+def connect(server: ScriptedServer, engine: Engine, snap: p.Snapshot = SNAP) -> bytes:
+    identity, hello = server.recv(p.Hello)
+    assert hello == p.Hello("e1", "tiny", 0)
+    server.send(identity, snap)
+    engine.until(lambda: engine.client.applied_version == snap.version)
+    _, ack = server.recv(p.Ack)
+    assert ack == p.Ack("e1", snap.version)
+    return identity
+
+
+def test_snapshot_replaces_the_flags_limits(server: ScriptedServer, engine: Engine) -> None:
+    assert not engine.client.wait_for_snapshot(0.05)
+    connect(server, engine)
+    assert engine.client.wait_for_snapshot(0)
+    assert engine.limiter.default_rate == 50
+    # Users with neither tier nor override are not listed: they get the default.
+    assert engine.limiter.user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
+    assert engine.limiter.rate_of("flag-user") == 50
+    assert engine.wakes >= 1
+
+
+def test_deltas_in_order_update_every_affected_user(server: ScriptedServer, engine: Engine) -> None:
+    identity = connect(server, engine)
+    deltas = [
+        p.Delta(6, [p.SetTier("free", 30)]),  # a follows its tier; b keeps its override
+        p.Delta(7, [p.SetUser("b", "free", None), p.SetUser("e", None, 4)]),
+        p.Delta(8, [p.DeleteUser("c"), p.SetDefault(None)]),
+        p.Delta(9, [p.SetUser("d", None, None), p.DeleteTier("pro")]),
+    ]
+    for delta in deltas:
+        server.send(identity, delta)
+    engine.until(lambda: engine.client.applied_version == 9)
+    assert engine.limiter.default_rate is None
+    assert engine.limiter.user_rates() == {"a": 30, "b": 30, "e": 4}
+    assert [server.recv(p.Ack)[1].version for _ in deltas] == [6, 7, 8, 9]  # type: ignore[union-attr]
+
+
+def test_duplicates_are_not_applied_twice(server: ScriptedServer, engine: Engine) -> None:
+    identity = connect(server, engine)
+    server.send(identity, p.Delta(6, [p.SetUser("c", None, 1)]))
+    engine.until(lambda: engine.client.applied_version == 6)
+    server.send(identity, p.Delta(6, [p.SetUser("c", None, 2)]))  # same version, other content
+    server.send(identity, p.Delta(5, [p.SetUser("c", None, 3)]))
+    server.send(identity, p.Delta(7, [p.SetUser("z", None, 8)]))
+    engine.until(lambda: engine.client.applied_version == 7)
+    assert engine.limiter.rate_of("c") == 1
+    assert engine.client.num_resyncs == 0
+
+
+def test_a_gap_asks_for_a_snapshot_and_ignores_deltas_until_it_comes(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine)
+    server.send(identity, p.Delta(7, [p.SetUser("c", None, 1)]))  # 6 was lost
+    _, resync = server.recv(p.Resync)
+    assert resync == p.Resync("e1", 5)
+    server.send(identity, p.Delta(6, [p.SetUser("c", None, 2)]))  # late, still resyncing
+    server.send(identity, p.Delta(8, [p.SetUser("c", None, 3)]))
+    fresh = p.Snapshot(8, 50, {"free": 20}, {"c": (None, 3), "a": ("free", None)})
+    server.send(identity, fresh)
+    engine.until(lambda: engine.client.applied_version == 8)
+    assert engine.limiter.user_rates() == {"a": 20, "c": 3}
+    server.send(identity, p.Delta(9, [p.SetTier("free", 21)]))
+    engine.until(lambda: engine.client.applied_version == 9)
+    assert engine.limiter.rate_of("a") == 21
+
+
+def test_a_lost_last_delta_is_found_by_the_server_heartbeat(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine)
+    server.send(identity, p.Heartbeat(6))  # the server sent 6; it never arrived
+    _, resync = server.recv(p.Resync)
+    assert resync.version == 5  # type: ignore[union-attr]
+
+
+def test_garbage_is_dropped_counted_and_followed_by_a_resync(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine)
+    for frame in (b"\xff", bytes([p.DELTA]) + b"\xc1", p.encode(p.Hello("x", "y", 1))):
+        server.send(identity, frame)
+    server.recv(p.Resync)
+    engine.until(lambda: engine.client.num_dropped == 3)
+    assert engine.limiter.user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
+    server.send(identity, SNAP)
+    engine.until(lambda: not engine.client._resyncing)
+    server.send(identity, p.Delta(6, [p.SetDefault(1)]))
+    engine.until(lambda: engine.limiter.default_rate == 1)
+
+
+def test_an_unanswered_resync_is_asked_again(server: ScriptedServer) -> None:
+    engine = Engine(server.endpoint, resync_retry_s=0.2)
+    server.pump = lambda: engine.client.apply_pending(engine.limiter)
+    try:
+        identity = connect(server, engine)
+        server.send(identity, p.Delta(9, []))  # a gap; the snapshot never comes
+        server.recv(p.Resync)
+        engine.until(lambda: engine.client.num_resyncs >= 3)
+        assert engine.client.applied_version == 5
+    finally:
+        engine.client.close()
+
+
+def test_a_silent_server_means_a_new_connection_and_a_new_snapshot(
+    server: ScriptedServer,
+) -> None:
+    engine = Engine(server.endpoint, silence_s=0.5, heartbeat_interval_s=0.1)
+    try:
+        first = connect(server, engine)
+        # Say nothing: the client reconnects with a new identity and the version it holds.
+        identity, hello = server.recv(p.Hello)
+        assert identity != first
+        assert hello == p.Hello("e1", "tiny", 5)
+        assert engine.client.num_reconnects >= 1
+        # Meanwhile it kept the last limits.
+        assert engine.limiter.user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
+        server.send(identity, p.Snapshot(6, 50, {}, {"c": (None, 2)}))
+        engine.until(lambda: engine.client.applied_version == 6)
+        assert engine.limiter.user_rates() == {"c": 2}
+    finally:
+        engine.client.close()
+
+
+def test_usage_and_heartbeats_reach_the_server(server: ScriptedServer, engine: Engine) -> None:
+    connect(server, engine)
+    # The engine's heartbeat restates what it applied (the first may predate the snapshot).
+    beats = [server.recv(p.Heartbeat)[1] for _ in range(3)]
+    assert beats[-1] == p.Heartbeat(5, "e1", "tiny")
+    engine.client.report_usage(granted={"a": 10}, throttled={"a": 4, "b": 1})
+    _, usage = server.recv(p.Usage)
+    assert isinstance(usage, p.Usage)
+    assert (usage.engine_id, usage.granted, usage.throttled) == ("e1", {"a": 10}, {"a": 4, "b": 1})
+    assert usage.interval_s > 0
+
+
+def test_apply_pending_is_cheap_when_nothing_arrived(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    connect(server, engine)
+    engine.client.apply_pending(engine.limiter)
+    start = time.perf_counter()
+    for _ in range(10_000):
+        engine.client.apply_pending(engine.limiter)
+    per_call = (time.perf_counter() - start) / 10_000
+    assert per_call < 50e-6  # a queue emptiness check; generous for a loaded machine
+
+
+def test_wrong_server_key_reads_nothing() -> None:
+    _, secret = zmq.curve_keypair()
+    wrong, _ = zmq.curve_keypair()
+    srv = ScriptedServer(secret_key=secret.decode())
+    bad = PushClient(
+        endpoint=srv.endpoint, engine_id="bad", model="m", server_public_key=wrong.decode()
+    )
+    bad.start()
+    try:
+        # The handshake never completes: the server socket receives nothing from it.
+        assert not srv.sock.poll(1500)
+        assert not bad.wait_for_snapshot(0.1)
+    finally:
+        bad.close()
+        srv.close()
+
+
+def test_limit_table_flattens_like_the_control_plane() -> None:
+    table = LimitTable()
+    limiter = OutputRateLimiter(None)
+    table.load(SNAP, limiter)
+    assert table.effective_user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
+    assert table.members == {"free": {"a", "b"}, "pro": {"d"}}
+    table.apply(p.SetUser("a", "pro", None), limiter)
+    assert table.members == {"free": {"b"}, "pro": {"a", "d"}}
+    assert limiter.rate_of("a") is None
