@@ -32,13 +32,13 @@ from control_plane.schemas import (
     TokenIn,
     TokenList,
     UsageList,
-    ValidationErrorOut,
 )
 
 ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorOut, "description": "The body could not be read (e.g. not UTF-8)"},
     401: {"model": ErrorOut, "description": "Missing or wrong bearer token"},
     403: {"model": ErrorOut, "description": "A viewer token tried to write"},
-    422: {"model": ValidationErrorOut, "description": "Invalid input, naming the field"},
+    422: {"model": ErrorOut, "description": "Invalid input, naming the field"},
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}

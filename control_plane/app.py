@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.orm import Session
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.api import router
 from control_plane.db import make_engine, make_session_factory
@@ -34,9 +37,10 @@ class NoUsage:
         return []
 
 
-def _field_message(error: dict[str, Any]) -> str:
-    loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "path", "query")]
-    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}"
+def _field_name(loc: Sequence[Any]) -> str:
+    """("body", "items", 3, "tier") -> "items.3.tier"; a malformed body is "body"."""
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "path", "query") else []
+    return ".".join(parts) or (str(loc[0]) if loc else "body")
 
 
 def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI:
@@ -59,9 +63,11 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     app.state.db_engine = engine
     app.state.session_factory = make_session_factory(engine)
     app.state.on_commit = []
+    app.state.write_lock = anyio.Lock()
     app.state.usage_source = NoUsage()
     app.state.logger = logger
 
+    # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
         return JSONResponse(
@@ -71,11 +77,24 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+            {
+                "field": _field_name(e.get("loc", ())),
+                "msg": str(e.get("msg", "invalid")),
+                "type": str(e.get("type", "")),
+            }
             for e in exc.errors()
         ]
-        message = "; ".join(_field_message(e) for e in errors)
-        return JSONResponse({"detail": errors, "message": message}, status_code=422)
+        detail = "; ".join(f"{e['field']}: {e['msg']}" for e in errors) or "invalid input"
+        field = errors[0]["field"] if errors else None
+        return JSONResponse({"detail": detail, "field": field, "errors": errors}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            {"detail": str(exc.detail), "field": None},
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     app.include_router(router)
     install_metrics(app)

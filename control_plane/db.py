@@ -16,6 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 WRITE_OPTION = "output_rate_write"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# More connections than the server's 40 worker threads: a thread holding a connection
+# must never wait for one blocked on the pool.
+_POOL: dict[str, Any] = {"pool_size": 10, "max_overflow": 40}
 
 
 def make_engine(url: str) -> Engine:
@@ -23,12 +26,11 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-            pool_size=16,
-            max_overflow=16,
+            **_POOL,
         )
         _configure_sqlite(engine)
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, **_POOL)
 
 
 def _configure_sqlite(engine: Engine) -> None:

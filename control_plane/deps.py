@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -17,7 +17,23 @@ logger = logging.getLogger("control_plane")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def get_db(request: Request) -> Iterator[Session]:
+async def _write_gate(request: Request) -> AsyncIterator[None]:
+    """One writer at a time per process, queued on the event loop rather than in threads.
+
+    Writers serialize on the database lock anyway. Waiting for it inside the threadpool
+    would deadlock: with every worker thread blocked on the lock, the holder could not
+    get a thread to run its route and commit.
+    """
+    if request.method in SAFE_METHODS:
+        yield
+        return
+    async with request.app.state.write_lock:
+        yield
+
+
+def get_db(
+    request: Request, _gate: Annotated[None, Depends(_write_gate, scope="function")]
+) -> Iterator[Session]:
     """One session and one transaction per request: committed once when the route returns,
     rolled back if it raises. Writes start as writers (SQLite: BEGIN IMMEDIATE) so that
     concurrent writers queue on the lock instead of failing. A write that produced a new

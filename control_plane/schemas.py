@@ -134,14 +134,18 @@ class TokenList(BaseModel):
     items: list[TokenOut]
 
 
+class FieldError(BaseModel):
+    field: str
+    msg: str
+    type: str
+
+
 class ErrorOut(BaseModel):
+    """Every error response: a message naming the field, and the field itself."""
+
     detail: str
     field: str | None = None
-
-
-class ValidationErrorOut(BaseModel):
-    detail: list[dict[str, Any]]
-    message: str
+    errors: list[FieldError] | None = None
 
 
 class Health(BaseModel):

@@ -1,0 +1,93 @@
+"""`output-rate serve` as a real subprocess on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.control_plane.factories import ADMIN_TOKEN
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Served:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=60,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+
+def _wait_healthy(served: Served) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if served.process.poll() is not None:
+            raise RuntimeError(f"serve exited early:\n{served.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{served.url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"serve did not become healthy:\n{served.log.read_text()[-3000:]}")
+
+
+@contextmanager
+def serve(db_url: str, workdir: Path, *, extra_args: tuple[str, ...] = ()) -> Iterator[Served]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "OUTPUT_RATE_DATABASE_URL": db_url,
+        "OUTPUT_RATE_ADMIN_TOKEN": ADMIN_TOKEN,
+        "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+    }
+    log = workdir / f"serve-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port), *extra_args],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    served = Served(url=f"http://127.0.0.1:{port}", process=process, log=log)
+    try:
+        _wait_healthy(served)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def kill_hard(served: Served) -> None:
+    served.process.kill()  # SIGKILL: no shutdown hooks, no final flush
+    served.process.wait()
