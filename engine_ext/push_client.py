@@ -158,13 +158,14 @@ class PushClient:
         self._thread.start()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._poke()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        for fd in (self._wake_read, self._wake_write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
     def wait_for_snapshot(self, timeout_s: float) -> bool:
         """Block until the first snapshot has arrived (``apply_pending`` applies it)."""
@@ -243,7 +244,7 @@ class PushClient:
 
     def _poke(self) -> None:
         # A full pipe means the IO thread is already due to wake up.
-        with contextlib.suppress(BlockingIOError, OSError):
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_write, b"\0")
 
     # ---- IO thread: moves frames, reconnects ----------------------------

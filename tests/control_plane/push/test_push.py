@@ -28,8 +28,11 @@ WAIT_S = 20.0
 
 
 @pytest.fixture
-def session_factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    with fresh_database("sqlite", tmp_path) as url:
+def session_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[sessionmaker[Session]]:
+    # SQLite unless a test asks for more (indirect parametrization).
+    with fresh_database(getattr(request, "param", "sqlite"), tmp_path) as url:
         engine = make_engine(url)
         yield make_session_factory(engine)
         engine.dispose()
@@ -55,10 +58,20 @@ def expected(factory: sessionmaker[Session]) -> tuple[int, int | None, dict[str,
 class Engine:
     """A protocol client and the limiter it feeds."""
 
-    def __init__(self, endpoint: str, name: str, public_key: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        public_key: str | None = None,
+        secret_key: str | None = None,
+    ) -> None:
         self.limiter = OutputRateLimiter(None)
         self.client = PushClient(
-            endpoint=endpoint, engine_id=name, model="tiny", server_public_key=public_key
+            endpoint=endpoint,
+            engine_id=name,
+            model="tiny",
+            server_public_key=public_key,
+            client_secret_key=secret_key,
         )
         self.client.start()
 
@@ -92,6 +105,11 @@ def seed(factory: sessionmaker[Session]) -> None:
     write(factory, None, services.put_limit, user="b", rate=7, tier="free")
 
 
+@pytest.mark.parametrize(
+    "session_factory",
+    ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+    indirect=True,
+)
 def test_snapshot_then_deltas_then_acks(session_factory, server: PushServer) -> None:
     seed(session_factory)
     engine = Engine(server.endpoint, "e1")
@@ -156,6 +174,11 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(session_factory) ->
         server.close()
 
 
+@pytest.mark.parametrize(
+    "session_factory",
+    ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+    indirect=True,
+)
 def test_twenty_engines_converge_after_a_burst_of_1000_changes(
     session_factory, server: PushServer
 ) -> None:
@@ -177,6 +200,8 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(
                     rate=rate,
                     tier=tier,
                 )
+            elif kind < 0.75:
+                write(session_factory, server, services.delete_limit, user=f"u{rng.randrange(200)}")
             elif kind < 0.85:
                 write(
                     session_factory,
@@ -240,3 +265,85 @@ def test_garbage_frames_are_dropped_and_counted(session_factory, server: PushSer
         engine.client.close()
         sock.close()
         context.term()
+
+
+def test_only_listed_engine_keys_are_admitted(session_factory) -> None:
+    server_public, server_secret = zmq.curve_keypair()
+    allowed_public, allowed_secret = zmq.curve_keypair()
+    _, stranger_secret = zmq.curve_keypair()
+    server = PushServer(
+        endpoint="tcp://127.0.0.1:0",
+        session_factory=session_factory,
+        secret_key=server_secret.decode(),
+        client_public_keys=[allowed_public.decode()],
+    )
+    server.start()
+    seed(session_factory)
+    key = server_public.decode()
+    good = Engine(server.endpoint, "good", key, allowed_secret.decode())
+    stranger = Engine(server.endpoint, "stranger", key, stranger_secret.decode())
+    try:
+        converge([good], session_factory)
+        write(session_factory, server, services.put_default, rate=3)
+        converge([good], session_factory)
+        time.sleep(1.0)
+        assert stranger.state() == (0, None, {})
+        assert not stranger.client.has_snapshot
+        # The server never heard from it either: no hello, no heartbeat, no usage.
+        assert {peer.engine_id for peer in server.peers.values()} == {"good"}
+    finally:
+        for e in (good, stranger):
+            e.client.close()
+        server.close()
+
+
+def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from control_plane.app import create_app
+    from tests.control_plane.factories import ADMIN_TOKEN, make_settings
+
+    with fresh_database("sqlite", tmp_path) as url:
+        settings = make_settings(url, zmq_endpoint="tcp://127.0.0.1:0", engine_timeout_s=1.5)
+        app = create_app(settings)
+        server = PushServer.for_app(app, settings)
+        server.start()
+        api = TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        engine = Engine(server.endpoint, "e1")
+        try:
+            assert api.put("/tiers/free", json={"output_tokens_per_second": 20}).status_code == 200
+            put = api.put("/limits/a", json={"tier": "free"})
+            assert put.status_code == 200
+            version = put.json()["version"]
+            deadline = time.monotonic() + WAIT_S
+            while engine.state()[0] < version and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.limiter.rate_of("a") == 20
+            # Half of user a's request-steps were throttled in the reported interval.
+            engine.client.report_usage(granted={"a": 20}, throttled={"a": 20})
+            deadline = time.monotonic() + WAIT_S
+            while not (items := api.get("/usage").json()["items"]):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            (row,) = items
+            assert row["user"] == "a" and row["limit"] == 20
+            assert row["throttled_fraction"] == 0.5
+            assert row["output_tokens_per_second_10s"] > 0
+            while True:
+                (listed,) = api.get("/engines").json()["items"]
+                if listed["applied_version"] == version or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert listed["engine_id"] == "e1" and listed["connected"] is True
+            assert listed["applied_version"] == version
+            metrics = api.get("/metrics").text
+            assert "output_rate_engines_connected 1.0" in metrics
+            assert 'output_rate_user_output_tokens_per_second{user="a"}' in metrics
+            engine.client.close()
+            while api.get("/engines").json()["items"][0]["connected"]:
+                assert time.monotonic() < deadline + WAIT_S
+                time.sleep(0.1)
+        finally:
+            engine.client.close()
+            server.close()
+            app.state.db_engine.dispose()
