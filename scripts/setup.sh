@@ -20,7 +20,9 @@ stamp="$VENV/.output-rate-deps"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "installing the project with the CPU engine and dev tools (first time: a few minutes)"
-    "$VENV/bin/pip" install -q -e ".[cpu,dev]"
+    # pip warns about every empty local index entry; keep the real messages
+    # (pipefail still fails the script when pip fails).
+    "$VENV/bin/pip" install -q -e ".[cpu,dev]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
     # PyPI's torchvision/torchaudio/torchcodec break beside the local CPU torch
     # ("operator torchvision::nms does not exist"); vLLM works without them.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
