@@ -21,6 +21,8 @@ def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
+    # KV offload is implemented as a KV connector, so it is checked first to
+    # name the option the operator actually gave.
     checks: list[tuple[bool, str]] = [
         (
             vllm_config.speculative_config is not None,
@@ -34,11 +36,12 @@ def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
             parallel.pipeline_parallel_size > 1,
             "--pipeline-parallel-size > 1 keeps several batches in flight",
         ),
-        (model.is_multimodal_model, "multimodal models are not supported"),
-        (model.is_encoder_decoder, "encoder-decoder models are not supported"),
-        (bool(getattr(model, "is_hybrid", False)), "hybrid (attention + SSM) models"),
-        (bool(getattr(model, "is_attention_free", False)), "attention-free models"),
-        (bool(getattr(model, "is_diffusion", False)), "diffusion models"),
+        (model.is_multimodal_model, "a multimodal model (--model)"),
+        (model.is_encoder_decoder, "an encoder-decoder model (--model)"),
+        (model.is_hybrid, "a hybrid attention + SSM model (--model)"),
+        (model.is_attention_free, "an attention-free model (--model)"),
+        (model.is_diffusion, "a diffusion model (--model)"),
+        (cache.kv_offloading_size is not None, "KV offload (--kv-offloading-size)"),
         (
             vllm_config.kv_transfer_config is not None,
             "a KV connector (--kv-transfer-config)",
@@ -46,10 +49,6 @@ def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
         (
             vllm_config.ec_transfer_config is not None,
             "an EC connector (--ec-transfer-config)",
-        ),
-        (
-            getattr(cache, "kv_offloading_size", None) is not None,
-            "KV offload (--kv-offloading-size)",
         ),
         (
             user_scheduler_cls is not None,

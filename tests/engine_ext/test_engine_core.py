@@ -1,0 +1,150 @@
+"""The EngineCore idle-wait patch on vLLM's real ``EngineCoreProc`` methods.
+
+The engine object is a real ``EngineCoreProc`` with the real (patched)
+``_process_engine_step``, ``_handle_client_request``, ``add_request`` and
+``abort_requests``, a real ``queue.Queue`` as input queue and the real
+output-rate scheduler. Only its model executor is replaced (the step function
+runs ``schedule()`` and feeds back one hand-made sampled token per request,
+like tests/engine_ext/sched_helpers.py), because building the process needs
+ZMQ handshakes with a front end. A real thread plays the front end.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+
+from engine_ext.engine_core import idle_wait_after_step, install_wake, patch_engine_core
+from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
+
+# Bounds far from the expected values, so a loaded machine cannot break them.
+LONG_WAIT_S = 30.0
+WOKEN_WITHIN_S = 10.0
+
+
+def make_engine(scheduler: Any) -> Any:
+    patch_engine_core()
+    engine: Any = object.__new__(EngineCoreProc)
+    engine.scheduler = scheduler
+    engine.input_queue = queue.Queue()
+    engine.output_queue = queue.Queue()
+    engine.shutdown_state = EngineShutdownState.RUNNING
+    engine.check_for_draft_tokens = False
+    engine.async_scheduling = False
+    engine.num_model_steps = 0
+
+    def step_fn() -> tuple[dict[int, Any], bool]:
+        if not scheduler.has_requests():
+            return {}, False
+        sched_out = scheduler.schedule()
+        outputs = scheduler.update_from_output(sched_out, runner_output(scheduler, sched_out))
+        model_executed = sched_out.total_num_scheduled_tokens > 0
+        engine.num_model_steps += model_executed
+        return outputs, model_executed
+
+    engine.step_fn = step_fn
+    install_wake(engine)
+    return engine
+
+
+@pytest.fixture
+def throttled_engine() -> Iterator[Any]:
+    """An engine whose only request belongs to a user at 1 token/s."""
+    scheduler = make_scheduler(user_rates={"slow": 1})
+    engine = make_engine(scheduler)
+    request = make_request("slow", max_tokens=100)
+    engine._handle_client_request(EngineCoreRequestType.ADD, (request, 0))
+    # The first token comes from the user's burst; after it the user is throttled.
+    assert engine._process_engine_step() is True
+    assert engine._process_engine_step() is False
+    yield engine
+    scheduler.shutdown()
+
+
+def later(delay_s: float, action: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(delay_s), action()))
+    thread.start()
+    return thread
+
+
+def test_an_all_throttled_engine_waits_instead_of_spinning(throttled_engine: Any) -> None:
+    # Upstream loops every 1 ms here; the patched step waits up to 50 ms.
+    num_steps = 0
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        throttled_engine._process_engine_step()
+        num_steps += 1
+    assert num_steps <= 0.5 / 0.05 + 5, num_steps
+
+
+def test_a_new_request_ends_the_wait_at_once(throttled_engine: Any) -> None:
+    scheduler = throttled_engine.scheduler
+    scheduler.output_rate_wait_s = lambda now_ns=None: LONG_WAIT_S  # the only seam
+    other = make_request("other", max_tokens=5)
+    thread = later(
+        0.1, lambda: throttled_engine.input_queue.put((EngineCoreRequestType.ADD, (other, 0)))
+    )
+    start = time.monotonic()
+    assert throttled_engine._process_engine_step() is False
+    assert time.monotonic() - start < WOKEN_WITHIN_S
+    thread.join()
+    assert other.request_id in scheduler.requests
+    # ... and the next step serves it.
+    assert throttled_engine._process_engine_step() is True
+
+
+def test_an_abort_ends_the_wait_and_is_handled(throttled_engine: Any) -> None:
+    scheduler = throttled_engine.scheduler
+    scheduler.output_rate_wait_s = lambda now_ns=None: LONG_WAIT_S
+    (req_id,) = scheduler.requests
+    thread = later(
+        0.1, lambda: throttled_engine.input_queue.put((EngineCoreRequestType.ABORT, [req_id]))
+    )
+    start = time.monotonic()
+    throttled_engine._process_engine_step()
+    assert time.monotonic() - start < WOKEN_WITHIN_S
+    thread.join()
+    assert req_id not in scheduler.requests
+    assert scheduler.get_num_unfinished_requests() == 0
+
+
+def test_wake_engine_from_another_thread_ends_the_wait(throttled_engine: Any) -> None:
+    scheduler = throttled_engine.scheduler
+    scheduler.output_rate_wait_s = lambda now_ns=None: LONG_WAIT_S
+    thread = later(0.1, scheduler.wake_engine)  # what the control-plane client calls
+    start = time.monotonic()
+    throttled_engine._process_engine_step()
+    assert time.monotonic() - start < WOKEN_WITHIN_S
+    thread.join()
+    assert throttled_engine.input_queue.empty()  # the WAKEUP item was consumed, as a no-op
+    assert scheduler.has_requests()
+
+
+def test_a_throttled_user_still_gets_its_tokens(throttled_engine: Any) -> None:
+    scheduler = throttled_engine.scheduler
+    scheduler.output_rate_limiter.set_rate("slow", 20)
+    before = throttled_engine.num_model_steps
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        throttled_engine._process_engine_step()
+    # 20 tokens/s for 1 s; waits are capped by the time the budget returns.
+    assert throttled_engine.num_model_steps - before >= 10
+
+
+def test_upstream_scheduler_is_left_alone() -> None:
+    scheduler = make_scheduler(limited=False)
+    engine = make_engine(scheduler)
+    assert not hasattr(scheduler, "wake_engine")
+    engine._handle_client_request(EngineCoreRequestType.ADD, (make_request(None), 0))
+    wakeup = (EngineCoreRequestType.WAKEUP, None)
+    engine.input_queue.put(wakeup)
+    idle_wait_after_step(engine, model_executed=False)
+    assert engine.input_queue.get_nowait() == wakeup  # not waited on, not consumed
+    assert engine._process_engine_step() is True
