@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from control_plane.db import begin_write
+from control_plane.db import WRITE_OPTION
 from control_plane.services import NEW_VERSION_KEY
 
 logger = logging.getLogger("control_plane")
@@ -17,41 +18,50 @@ logger = logging.getLogger("control_plane")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-async def _write_gate(request: Request) -> AsyncIterator[None]:
-    """One writer at a time per process, queued on the event loop rather than in threads.
+async def get_db(request: Request) -> AsyncIterator[Session]:
+    """One session and one transaction per request: committed once when the route returns,
+    rolled back if it raises. A write that produced a new config version then tells the
+    on_commit hooks, outside the transaction.
 
-    Writers serialize on the database lock anyway. Waiting for it inside the threadpool
-    would deadlock: with every worker thread blocked on the lock, the holder could not
-    get a thread to run its route and commit.
+    Writes open their transaction as writers (SQLite: BEGIN IMMEDIATE) and queue for the
+    process's write lock on the event loop first. Waiting for the database lock inside
+    the threadpool would deadlock: with every worker thread blocked on the lock, the
+    holder could not get a thread to run its route and commit.
     """
+    factory = request.app.state.session_factory
     if request.method in SAFE_METHODS:
-        yield
+        session = factory()
+        ok = False
+        try:
+            yield session
+            ok = True
+        finally:
+            await anyio.to_thread.run_sync(lambda: _finish(session, ok=ok))
         return
     async with request.app.state.write_lock:
-        yield
-
-
-def get_db(
-    request: Request, _gate: Annotated[None, Depends(_write_gate, scope="function")]
-) -> Iterator[Session]:
-    """One session and one transaction per request: committed once when the route returns,
-    rolled back if it raises. Writes start as writers (SQLite: BEGIN IMMEDIATE) so that
-    concurrent writers queue on the lock instead of failing. A write that produced a new
-    config version then tells the on_commit hooks, outside the transaction."""
-    session: Session = request.app.state.session_factory()
-    try:
-        if request.method not in SAFE_METHODS:
-            begin_write(session)
-        yield session
-        new_version = session.info.pop(NEW_VERSION_KEY, None)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
+        session = factory(execution_options={WRITE_OPTION: True})
+        ok = False
+        try:
+            yield session
+            ok = True
+        finally:
+            new_version = await anyio.to_thread.run_sync(lambda: _finish(session, ok=ok))
     if new_version is not None:
         _notify(request, new_version)
+
+
+def _finish(session: Session, *, ok: bool) -> int | None:
+    """Commit (or roll back) and close in one worker-thread hop."""
+    try:
+        new_version: int | None = session.info.pop(NEW_VERSION_KEY, None)
+        if ok:
+            session.commit()
+        else:
+            session.rollback()
+            new_version = None
+        return new_version
+    finally:
+        session.close()
 
 
 def _notify(request: Request, version: int) -> None:

@@ -84,11 +84,17 @@ def _user_record(row: UserLimit | None) -> dict[str, Any] | None:
 # ---- reads -----------------------------------------------------------------
 
 
+def _rate_of_tier(session: Session, tier: str | None) -> dict[str, int | None]:
+    row = repo.get_tier(session, tier) if tier is not None else None
+    return {} if row is None else {row.name: row.rate}
+
+
 def get_limit(session: Session, *, user: str) -> dict[str, Any]:
+    row = repo.get_user(session, user)
     return limit_view(
         user=user,
-        row=repo.get_user(session, user),
-        tier_rates=_tier_rates(session),
+        row=row,
+        tier_rates=_rate_of_tier(session, row.tier if row else None),
         state=repo.get_config(session),
     )
 
@@ -228,7 +234,7 @@ def put_limit(
             row.updated_at = datetime.now(UTC)
         _count_users(session, state, new_users=0 if before else 1, tier_deltas=deltas)
         session.flush()
-    return limit_view(user=user, row=row, tier_rates=_tier_rates(session), state=state)
+    return limit_view(user=user, row=row, tier_rates=_rate_of_tier(session, tier), state=state)
 
 
 def delete_limit(session: Session, *, actor: str, user: str) -> None:
