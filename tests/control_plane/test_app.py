@@ -37,7 +37,6 @@ def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
     app.state.on_commit.extend([seen.append, broken])
     with TestClient(app) as client:
         client.headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
-        )
         assert client.put("/limits/a", json={"output_tokens_per_second": 3}).status_code == 200
         assert client.put("/limits/a", json={"output_tokens_per_second": 3}).status_code == 200
         assert client.put("/default-limit", json={"output_tokens_per_second": 9}).status_code == 200
