@@ -48,14 +48,10 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.insecure_no_auth:
-        logger.warning(
-            "!!! --insecure-no-auth: anyone who reaches %s:%s can change every limit !!!",
-            args.host or settings.host,
-            args.port or settings.port,
-        )
     upgrade(settings.database_url)
+    # create_app logs the loud warning when authentication is off.
     app = create_app(settings, insecure_no_auth=args.insecure_no_auth)
+    # The live push endpoint (control_plane/push) runs beside the API and stops with it.
     push = start_push_server(app, settings)
     try:
         uvicorn.run(

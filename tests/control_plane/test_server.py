@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 
 import httpx
 
-from tests.control_plane.served import kill_hard, serve
+from tests.control_plane.served import free_port, kill_hard, serve
 
 WRITERS = 50
 
@@ -77,3 +80,21 @@ def test_same_put_concurrently_is_one_change(db_url: str, tmp_path: Path) -> Non
             versions = set(pool.map(lambda _: _put(served.url, headers, "x", 42), range(WRITERS)))
         assert versions == {1}
         assert len(c.get("/audit").json()["items"]) == 1
+
+
+def test_serve_refuses_without_admin_token_and_warns_when_insecure(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "OUTPUT_RATE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
+        "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+    }
+    env.pop("OUTPUT_RATE_ADMIN_TOKEN", None)
+    cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(free_port())]
+    refused = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=60)
+    assert refused.returncode == 2
+    assert b"OUTPUT_RATE_ADMIN_TOKEN" in refused.stderr
+    assert not (tmp_path / "x.db").exists()
+    with serve(f"sqlite:///{tmp_path / 'y.db'}", tmp_path, extra_args=("--insecure-no-auth",)) as s:
+        response = httpx.put(f"{s.url}/limits/a", json={"output_tokens_per_second": 1})
+        assert response.status_code == 200
+        assert "AUTHENTICATION IS DISABLED" in s.log.read_text()
