@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Engine status rows are written at most this often (batched).
 STATUS_FLUSH_INTERVAL_S = 0.2
+# At most one snapshot per engine this often on RESYNC (below the engines' retry period).
+RESYNC_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Peer:
     sent_version: int = -1
     applied_version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    last_snapshot_at: float = float("-inf")
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -263,7 +266,10 @@ class PushServer:
                 self.usage.add(message)
             return
         elif isinstance(message, p.Resync):
-            self._send_snapshot(router, identity, peer)
+            # Resyncs queued in an engine's socket while we were down arrive in a burst:
+            # one snapshot answers them all (an engine that missed it asks again later).
+            if time.monotonic() - peer.last_snapshot_at >= RESYNC_MIN_INTERVAL_S:
+                self._send_snapshot(router, identity, peer)
         elif isinstance(message, p.Ack):
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
@@ -297,6 +303,7 @@ class PushServer:
         version, frame = self._snapshot_frame()
         self._send(router, identity, frame)
         peer.sent_version = version
+        peer.last_snapshot_at = time.monotonic()
 
     def _publish(self, router: zmq.Socket) -> None:
         if not self.peers:

@@ -206,17 +206,20 @@ def test_an_unanswered_resync_is_asked_again(server: ScriptedServer) -> None:
         engine.client.close()
 
 
-def test_a_silent_server_means_a_new_connection_and_a_new_snapshot(
-    server: ScriptedServer,
-) -> None:
-    engine = Engine(server.endpoint, silence_s=0.5, heartbeat_interval_s=0.1)
+def test_a_silent_server_gets_a_resync_then_a_new_connection(server: ScriptedServer) -> None:
+    engine = Engine(server.endpoint, silence_s=0.4, reconnect_after_s=1.5, heartbeat_interval_s=0.1)
+    server.pump = lambda: engine.client.apply_pending(engine.limiter)
     try:
         first = connect(server, engine)
-        # Say nothing: the client reconnects with a new identity and the version it holds.
+        # Say nothing: first the engine asks this connection for a snapshot...
+        identity, resync = server.recv(p.Resync)
+        assert identity == first
+        assert resync == p.Resync("e1", 5)
+        # ...then, still unanswered, it dials again with the version it holds.
         identity, hello = server.recv(p.Hello)
         assert identity != first
         assert hello == p.Hello("e1", "tiny", 5)
-        assert engine.client.num_reconnects >= 1
+        assert engine.client.num_reconnects >= 1 and engine.client.num_silences >= 1
         # Meanwhile it kept the last limits.
         assert engine.limiter.user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
         server.send(identity, p.Snapshot(6, 50, {}, {"c": (None, 2)}))
