@@ -34,6 +34,8 @@ from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger(__name__)
 
+MAX_RESYNC_WAIT_S = 30.0
+
 
 class LimitTable:
     """The control plane's model (default, tiers, users), flattened into limiter calls.
@@ -181,6 +183,9 @@ class PushClient:
         # Waiting for a snapshot: deltas are ignored until it arrives.
         self._resyncing = True
         self._resync_asked_at = time.monotonic()
+        # Grows while asked-for snapshots do not come (a loaded server or engine must
+        # not be buried under more snapshots); back to resync_retry_s once one lands.
+        self._resync_wait_s = resync_retry_s
         self._last_usage_at = time.monotonic()
         self.num_dropped = 0
         self.num_resyncs = 0
@@ -228,7 +233,8 @@ class PushClient:
                 logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
                 # Whatever it carried is lost: only a snapshot is safe now.
                 self._request_resync("bad message")
-        if self._resyncing and time.monotonic() - self._resync_asked_at > self._resync_retry_s:
+        if self._resyncing and time.monotonic() - self._resync_asked_at > self._resync_wait_s:
+            self._resync_wait_s = min(2 * self._resync_wait_s, MAX_RESYNC_WAIT_S)
             self._request_resync("no snapshot yet")
         return num_applied
 
@@ -251,6 +257,7 @@ class PushClient:
         self.applied_version = snapshot.version
         self.has_snapshot = True
         self._resyncing = False
+        self._resync_wait_s = self._resync_retry_s
         self._send(p.Ack(self.engine_id, snapshot.version))
         return 1
 
@@ -350,13 +357,14 @@ class PushClient:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        last_heard = last_marked = time.monotonic()
+        last_heard = time.monotonic()
         next_heartbeat = last_heard
+        silent = False
         while not self._stop.is_set():
             timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
             events = dict(poller.poll(timeout_ms))
             if sock in events:
-                woke = False
+                woke = heard = False
                 while True:
                     try:
                         frame = sock.recv(zmq.NOBLOCK, copy=True)
@@ -369,7 +377,10 @@ class PushClient:
                     else:
                         self._inbound.put(frame)
                     woke = woke or kind != p.HEARTBEAT
-                last_heard = last_marked = time.monotonic()
+                    heard = True
+                if heard:
+                    last_heard = time.monotonic()
+                    silent = False
                 if woke:
                     self._wake()
             if self._wake_read in events:
@@ -384,8 +395,9 @@ class PushClient:
                     sock.send(p.encode(beat), zmq.NOBLOCK)
             if now - last_heard > self._reconnect_after_s:
                 return
-            if now - last_marked > self._silence_s:
-                last_marked = now
+            if not silent and now - last_heard > self._silence_s:
+                # Once per silence: the engine asks for a snapshot (retried with backoff).
+                silent = True
                 self.num_silences += 1
                 self._inbound.put(SILENT)
                 self._wake()

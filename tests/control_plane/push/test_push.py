@@ -248,19 +248,36 @@ def test_wrong_server_key_gets_nothing(session_factory) -> None:
         server.close()
 
 
-def test_garbage_frames_are_dropped_and_counted(session_factory, server: PushServer) -> None:
+def test_garbage_and_oversized_frames_are_dropped_and_counted(
+    session_factory, server: PushServer
+) -> None:
     seed(session_factory)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
-    for frame in (b"", b"\xff", bytes([p.HELLO]) + b"\x00garbage", bytes([p.ACK]) + b"\x93"):
+    garbage = [
+        b"",
+        b"\xff",
+        bytes([p.HELLO]) + b"\x00garbage",
+        bytes([p.ACK]) + b"\x93",
+        p.encode(p.Delta(1, [])),  # a server-only message from an engine
+    ]
+    for frame in garbage:
         sock.send(frame)
     sock.send_multipart([b"a", b"b", b"c"])
+    # Over the engine-message limit: ZMQ drops that connection, the server lives on.
+    sock.send(bytes([p.USAGE]) + b"\x00" * p.MAX_ENGINE_MESSAGE_BYTES)
     engine = Engine(server.endpoint, "e1")
     try:
+        deadline = time.monotonic() + WAIT_S
+        while server.num_dropped < len(garbage) + 1:
+            assert time.monotonic() < deadline, server.num_dropped
+            time.sleep(0.02)
         converge([engine], session_factory)
-        assert server.num_dropped >= 4
+        write(session_factory, server, services.put_default, rate=9)
+        assert converge([engine], session_factory)[1] == 9
+        assert {peer.engine_id for peer in server.peers.values()} == {"e1"}
     finally:
         engine.client.close()
         sock.close()
