@@ -409,6 +409,13 @@ class OutputRateMixin:
                 config.snapshot_timeout_s,
             )
 
+    def has_requests(self) -> bool:
+        # The engine loop asks this on its own thread, also while idle after a
+        # WAKEUP: a limit update that woke it is applied (and acknowledged)
+        # now, not when the next request arrives.
+        self.apply_control_plane_updates()
+        return super().has_requests()  # type: ignore[misc]
+
     def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
             self.push_client.apply_pending(self.output_rate_limiter)

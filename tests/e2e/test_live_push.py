@@ -1,205 +1,176 @@
-"""Live push across a kill -9 of the real `output-rate serve` process.
-
-The control plane is a subprocess (SQLite file, CURVE with an engine-key
-allow-list); the engines are protocol clients feeding real limiters in this
-process. While the control plane is dead the engines keep their limits; when
-it comes back on the same ports they reconnect, resync and converge to the
-database, including changes written while they were cut off.
-"""
+"""Control plane and vLLM engine as real processes: live changes, kill -9, restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import zmq
+import pytest
 
 from control_plane import services
-from control_plane.cli import upgrade
-from control_plane.db import make_engine, make_session_factory
-from engine_ext import protocol as p
-from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import LimitTable, PushClient
-from tests.control_plane.served import free_port
+from control_plane.db import begin_write, make_engine, make_session_factory
+from tests.e2e.client import StreamResult, run, stream_completion, user_rate
+from tests.e2e.servers import Process, VllmServer, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "push-e2e-admin-token"
-WAIT_S = 60.0
-
-State = tuple[int, int | None, dict[str, int | None]]
+pytestmark = pytest.mark.e2e
+TOKEN = "e2e-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-class ControlPlane:
-    def __init__(self, tmp_path: Path) -> None:
-        self.db_url = f"sqlite:///{tmp_path / 'cp.db'}"
-        self.port = free_port()
-        self.zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
-        engine_public, self.engine_secret = (k.decode() for k in zmq.curve_keypair())
-        self.env = {
+class ControlPlane(Process):
+    def __init__(self, log_path: Path, db_url: str, port: int, zmq_port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.db_url = db_url
+        env = {
             **os.environ,
-            "OUTPUT_RATE_DATABASE_URL": self.db_url,
+            "OUTPUT_RATE_DATABASE_URL": db_url,
             "OUTPUT_RATE_ADMIN_TOKEN": TOKEN,
-            "OUTPUT_RATE_ZMQ_ENDPOINT": self.zmq_endpoint,
-            "OUTPUT_RATE_ZMQ_SECRET_KEY": server_secret,
-            "OUTPUT_RATE_ZMQ_CLIENT_KEYS": engine_public,
+            "OUTPUT_RATE_PORT": str(port),
+            "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{zmq_port}",
         }
-        self.log = tmp_path / "serve.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.http = httpx.Client(
-            base_url=f"http://127.0.0.1:{self.port}",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=30,
-        )
+        super().__init__([sys.executable, "-m", "control_plane.cli", "serve"], log_path, env)
 
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port)],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + WAIT_S
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                if self.http.get("/healthz").status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise AssertionError(f"serve not healthy:\n{self.log.read_text()[-3000:]}")
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(self.log()[-3000:])
 
-    def kill_hard(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.http.close()
-
-    def expected(self) -> State:
-        """The database's limits, flattened the way engines flatten them."""
-        engine = make_engine(self.db_url)
-        try:
-            with make_session_factory(engine)() as session:
-                snap = services.load_snapshot(session)
-        finally:
-            engine.dispose()
-        limiter = OutputRateLimiter(None)
-        message = p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users)
-        LimitTable().load(message, limiter)
-        return snap.version, limiter.default_rate, limiter.user_rates()
-
-    def write_while_down(self) -> None:
-        """A change made while the control plane process is gone (e.g. by an operator's
-        script on the database): engines must pick it up once it is back."""
-        engine = make_engine(self.db_url)
-        try:
-            with make_session_factory(engine)() as session:
-                services.put_limit(session, actor="script", user="offline", rate=11, tier=None)
-                services.put_tier(session, actor="script", name="free", rate=33, description=None)
-                session.commit()
-        finally:
-            engine.dispose()
-
-
-class Engine:
-    def __init__(self, cp: ControlPlane, name: str) -> None:
-        self.limiter = OutputRateLimiter(1)
-        self.client = PushClient(
-            endpoint=cp.zmq_endpoint,
-            engine_id=name,
-            model="tiny",
-            server_public_key=cp.server_public,
-            client_secret_key=cp.engine_secret,
+    def put(self, user: str, rate: int | None) -> int:
+        response = httpx.put(
+            f"{self.url}/limits/{user}", json={"output_tokens_per_second": rate}, headers=AUTH
         )
-        self.client.start()
+        response.raise_for_status()
+        return int(response.json()["version"])
 
-    def state(self) -> State:
-        self.client.apply_pending(self.limiter)
-        return self.client.applied_version, self.limiter.default_rate, self.limiter.user_rates()
-
-
-def converge(engines: list[Engine], cp: ControlPlane) -> State:
-    want = cp.expected()
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if all(e.state() == want for e in engines):
-            return want
-        time.sleep(0.02)
-    raise AssertionError(f"not converged to {want}: {[e.state() for e in engines]}")
+    def wait_applied(self, version: int, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            engines = httpx.get(f"{self.url}/engines", headers=AUTH).json()["items"]
+            if engines and all(e["applied_version"] >= version and e["connected"] for e in engines):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"engines did not apply {version}: {engines}")
 
 
-@contextmanager
-def running(tmp_path: Path) -> Iterator[ControlPlane]:
-    cp = ControlPlane(tmp_path)
-    upgrade(cp.db_url)
-    cp.start()
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.db_url = f"sqlite:///{tmp / 'cp.db'}"
+        self.port, self.zmq_port = free_port(), free_port()
+        self.control_plane = self.start_control_plane()
+        self.engine = self.start_engine()
+
+    def start_control_plane(self) -> ControlPlane:
+        cp = ControlPlane(self.tmp / f"cp-{time.time()}.log", self.db_url, self.port, self.zmq_port)
+        cp.wait_ready()
+        return cp
+
+    def start_engine(self) -> VllmServer:
+        engine = VllmServer(
+            self.tmp / f"engine-{time.time()}.log",
+            "--control-plane-endpoint",
+            f"tcp://127.0.0.1:{self.zmq_port}",
+            "--output-rate-engine-id",
+            "e2e-engine",
+        )
+        engine.wait_ready()
+        return engine
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(tmp_path_factory.mktemp("push"))
     try:
-        yield cp
+        yield stack
     finally:
-        cp.stop()
+        stack.engine.kill()
+        stack.control_plane.kill()
 
 
-def test_engines_survive_kill_9_and_converge_after_restart(tmp_path: Path) -> None:
-    with running(tmp_path) as cp:
-        assert cp.http.put("/tiers/free", json={"output_tokens_per_second": 20}).status_code == 200
-        assert cp.http.put("/default-limit", json={"output_tokens_per_second": 50}).is_success
-        for user, body in {"a": {"tier": "free"}, "b": {"output_tokens_per_second": 7}}.items():
-            assert cp.http.put(f"/limits/{user}", json=body).status_code == 200
-        engines = [Engine(cp, f"engine-{i}") for i in range(3)]
-        try:
-            before = converge(engines, cp)
-            assert before[1:] == (50, {"a": 20, "b": 7})
+def rate_of(results: list[StreamResult], since: float = 0.0) -> float:
+    times = sorted(t for r in results for t in r.token_times if t >= since)
+    return (len(times) - 1) / (times[-1] - times[0])
 
-            cp.kill_hard()
-            cp.write_while_down()
-            # Past the silence timeout: every engine noticed, and still enforces the last limits.
-            deadline = time.monotonic() + WAIT_S
-            while not all(e.client.num_silences for e in engines):
-                assert time.monotonic() < deadline
-                for e in engines:
-                    e.state()
-                time.sleep(0.05)
-            assert all(e.state() == before for e in engines)
 
-            cp.start()
-            after = converge(engines, cp)
-            assert after[0] > before[0]
-            assert after[2] == {"a": 33, "b": 7, "offline": 11}
-
-            # And live changes flow again, through the API.
-            assert cp.http.put("/limits/a", json={"output_tokens_per_second": 5}).is_success
-            version, _, rates = converge(engines, cp)
-            assert rates["a"] == 5
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                listed = cp.http.get("/engines").json()["items"]
-                done = len(listed) == 3 and all(
-                    e["connected"] and e["applied_version"] == version for e in listed
+def stream(url: str, user: str, max_tokens: int, num_streams: int = 1) -> list[StreamResult]:
+    async def main() -> list[StreamResult]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            return list(
+                await asyncio.gather(
+                    *(
+                        stream_completion(client, url, user=user, max_tokens=max_tokens)
+                        for _ in range(num_streams)
+                    )
                 )
-                if done:
-                    break
-                assert time.monotonic() < deadline, listed
-                for e in engines:
-                    e.state()  # the engine thread's part: apply, ack
-                time.sleep(0.05)
-        finally:
-            for e in engines:
-                e.client.close()
+            )
+
+    return run(main())
+
+
+def test_limit_change_applies_mid_stream_without_restart(stack: Stack) -> None:
+    cp = stack.control_plane
+    cp.wait_applied(cp.put("user-a", 20))
+
+    async def main() -> tuple[StreamResult, float, float, int]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            task = asyncio.create_task(
+                stream_completion(client, stack.engine.url, user="user-a", max_tokens=300)
+            )
+            await asyncio.sleep(3.0)
+            sent_at = time.monotonic()
+            response = await client.put(
+                f"{cp.url}/limits/user-a", json={"output_tokens_per_second": 100}, headers=AUTH
+            )
+            changed_at = time.monotonic()
+            return await task, sent_at, changed_at, response.json()["version"]
+
+    result, sent_at, changed_at, version = run(main())
+    assert result.completion_tokens == 300  # the stream never broke
+    before = [t for t in result.token_times if t < sent_at]
+    assert len(before) <= (sent_at - before[0] + 0.1 + 0.3) * 20 + 1
+    assert rate_of([result], since=changed_at + 0.2) >= 0.95 * 100
+    cp.wait_applied(version)
+    engines = httpx.get(f"{cp.url}/engines", headers=AUTH).json()
+    assert engines["items"][0]["engine_id"] == "e2e-engine"
+    assert engines["items"][0]["applied_version"] == engines["version"] == version
+
+
+def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) -> None:
+    cp = stack.control_plane
+    cp.wait_applied(cp.put("user-a", 30))
+    cp.kill(signal.SIGKILL)
+    # Engines keep enforcing the last limits while the control plane is down.
+    assert 0.95 * 30 <= rate_of(stream(stack.engine.url, "user-a", 60)) <= 30 * 1.3
+    # A change made while the engines are cut off from it (written to the database).
+    engine = make_engine(cp.db_url)
+    with make_session_factory(engine)() as session:
+        begin_write(session)
+        services.put_limit(session, actor="test", user="user-a", rate=60, tier=None)
+        session.commit()
+        version = services.current_version(session)
+    engine.dispose()
+    stack.control_plane = cp = stack.start_control_plane()
+    cp.wait_applied(version)
+    assert rate_of(stream(stack.engine.url, "user-a", 120)) >= 0.95 * 60
+
+
+def test_restarted_engine_enforces_current_limits_from_its_first_request(stack: Stack) -> None:
+    cp = stack.control_plane
+    cp.wait_applied(cp.put("user-r", 25))
+    stack.engine.kill()
+    stack.engine = stack.start_engine()
+    first = stream(stack.engine.url, "user-r", 50, num_streams=2)
+    num_tokens, span = user_rate(first)
+    assert num_tokens == 100
+    assert num_tokens <= (span + 0.1 + 0.3) * 25 + 1
