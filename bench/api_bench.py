@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -62,7 +63,7 @@ def database(kind: str, workdir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def server(db_url: str, workdir: Path) -> Iterator[str]:
+def server(db_url: str, workdir: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     env = {
         **os.environ,
@@ -90,7 +91,7 @@ def server(db_url: str, workdir: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((workdir / "serve.log").read_text()[-2000:])
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -100,6 +101,12 @@ def server(db_url: str, workdir: Path) -> Iterator[str]:
         log.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Result:
     name: str
@@ -107,6 +114,11 @@ class Result:
     seconds: float
     latencies_ms: list[float]
     errors: int
+    server_cpu_s: float = 0.0
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.server_cpu_s / max(1, self.requests)
 
     @property
     def rate(self) -> float:
@@ -224,40 +236,48 @@ def time_pages(url: str, repeats: int = 5) -> list[tuple[str, float, int]]:
     return rows
 
 
+def measured(
+    url: str, pid: int, name: str, make: Any, *, seconds: float, concurrency: int
+) -> Result:
+    before = cpu_seconds(pid)
+    result = asyncio.run(drive(url, name, make, seconds=seconds, concurrency=concurrency))
+    result.server_cpu_s = cpu_seconds(pid) - before
+    return result
+
+
 def run_one(kind: str, seconds: float, concurrency: int) -> list[str]:
-    lines = [f"### {kind}", ""]
+    lines = [f"### {kind}", "", f"Load average before the run: {os.getloadavg()[0]:.1f}", ""]
     with tempfile.TemporaryDirectory() as tmp, database(kind, Path(tmp)) as db_url:
-        with server(db_url, Path(tmp)) as url:
+        with server(db_url, Path(tmp)) as (url, pid):
             results = [
-                asyncio.run(
-                    drive(
-                        url,
-                        "PUT /limits/{user}",
-                        put_user,
-                        seconds=seconds,
-                        concurrency=concurrency,
-                    )
+                measured(
+                    url,
+                    pid,
+                    "PUT /limits/{user}",
+                    put_user,
+                    seconds=seconds,
+                    concurrency=concurrency,
                 ),
-                asyncio.run(
-                    drive(
-                        url,
-                        "GET /limits/{user}",
-                        get_user,
-                        seconds=seconds,
-                        concurrency=concurrency,
-                    )
+                measured(
+                    url,
+                    pid,
+                    "GET /limits/{user}",
+                    get_user,
+                    seconds=seconds,
+                    concurrency=concurrency,
                 ),
             ]
         lines += [
-            "| request | req/s | p50 ms | p99 ms | errors |",
-            "|---|---:|---:|---:|---:|",
+            "| request | req/s | p50 ms | p99 ms | errors | server CPU ms/req | req/CPU-s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in results:
             lines.append(
-                f"| {r.name} | {r.rate:,.0f} | {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {r.errors} |"
+                f"| {r.name} | {r.rate:,.0f} | {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {r.errors} "
+                f"| {r.cpu_ms_per_request:.2f} | {1000 / max(r.cpu_ms_per_request, 1e-9):,.0f} |"
             )
         load_s = load_users(db_url)
-        with server(db_url, Path(tmp)) as url:
+        with server(db_url, Path(tmp)) as (url, _pid):
             pages = time_pages(url)
         lines += [
             "",

@@ -6,6 +6,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session
 
@@ -25,7 +26,7 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _authenticate(request: Request, session: Session) -> Principal:
+async def _authenticate(request: Request, session: Session) -> Principal:
     if request.app.state.insecure_no_auth:
         return Principal("anonymous-admin", can_write=True)
     token = _bearer(request)
@@ -38,7 +39,10 @@ def _authenticate(request: Request, session: Session) -> Principal:
     admin = request.app.state.settings.admin_token
     if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
         return Principal("admin", can_write=True)
-    viewer = services.viewer_token_name(session, token=token)
+    # Only viewer tokens touch the database (and so a worker thread).
+    viewer = await anyio.to_thread.run_sync(
+        lambda: services.viewer_token_name(session, token=token)
+    )
     if viewer is not None:
         return Principal(f"viewer:{viewer}", can_write=False)
     raise HTTPException(
@@ -46,12 +50,12 @@ def _authenticate(request: Request, session: Session) -> Principal:
     )
 
 
-def reader(request: Request, session: SessionDep) -> Principal:
-    return _authenticate(request, session)
+async def reader(request: Request, session: SessionDep) -> Principal:
+    return await _authenticate(request, session)
 
 
-def writer(request: Request, session: SessionDep) -> Principal:
-    principal = _authenticate(request, session)
+async def writer(request: Request, session: SessionDep) -> Principal:
+    principal = await _authenticate(request, session)
     if not principal.can_write:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "viewer tokens may only read")
     return principal
