@@ -18,8 +18,12 @@ step, and 1 ms on top of a wait of up to 50 ms does not change the bound.
 
 from __future__ import annotations
 
+import logging
 import queue
 from typing import Any
+
+# A child of the "vllm" logger, so messages go through vLLM's own log configuration.
+logger = logging.getLogger("vllm.output_rate." + __name__)
 
 _PATCHED_ATTR = "_output_rate_patched"
 
@@ -53,6 +57,7 @@ def install_wake(engine: Any) -> None:
     input_queue = engine.input_queue
     wakeup = (EngineCoreRequestType.WAKEUP, None)
     engine.scheduler.wake_engine = lambda: input_queue.put_nowait(wakeup)
+    logger.info("output-rate: engine idle wait on (throttled steps wait on the input queue)")
 
 
 def idle_wait_after_step(engine: Any, model_executed: bool) -> None:

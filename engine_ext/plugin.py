@@ -17,7 +17,8 @@ from typing import Any
 
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
 
-logger = logging.getLogger(__name__)
+# A child of the "vllm" logger, so messages go through vLLM's own log configuration.
+logger = logging.getLogger("vllm.output_rate." + __name__)
 
 SYNC_SCHEDULER = "engine_ext.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER = "engine_ext.scheduler.OutputRateAsyncScheduler"

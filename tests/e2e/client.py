@@ -19,6 +19,7 @@ import httpx
 class StreamResult:
     user: str | None
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
@@ -55,6 +56,7 @@ async def stream_completion(
             now = time.monotonic()
             for choice in chunk.get("choices") or ():
                 result.text += choice.get("text") or ""
+                result.token_ids.extend(choice.get("token_ids") or ())
                 result.finish_reason = choice.get("finish_reason") or result.finish_reason
             usage = chunk.get("usage") or {}
             num_tokens = usage.get("completion_tokens", result.completion_tokens)

@@ -1,3 +1,11 @@
+"""Shared real servers for the e2e tests: one per configuration, started once.
+
+Both limited servers (sync and async scheduling) start together at the first
+test that needs one, since startup (~25-45 s each) dominates the run; an idle
+engine blocks on its input queue, so the other server does not disturb
+measurements. Every server's process group is killed at the end of the session.
+"""
+
 from __future__ import annotations
 
 import json
@@ -7,27 +15,41 @@ import pytest
 
 from tests.e2e.servers import VllmServer
 
-# One engine for the engine e2e tests; every user and limit they need is here.
+# One engine per mode for the engine e2e tests; every user and limit they need is here.
 ENGINE_LIMITS = {"user-a": 20, "user-a1": 20, "user-a4": 20, "user-b": 100}
+MODES = ("sync", "async")
+LIMITED_FLAGS = (
+    "--user-output-tokens-per-second",
+    json.dumps(ENGINE_LIMITS),
+    "--max-num-seqs",
+    "16",
+    "--max-num-active-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "64",
+    "--enable-prefix-caching",
+)
 
 
 @pytest.fixture(scope="session")
-def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("vllm") / "limited.log"
-    server = VllmServer(
-        log,
-        "--user-output-tokens-per-second",
-        json.dumps(ENGINE_LIMITS),
-        "--max-num-seqs",
-        "16",
-        "--max-num-active-seqs",
-        "4",
-        "--max-num-batched-tokens",
-        "64",
-        "--enable-prefix-caching",
-    )
+def limited_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+    log_dir = tmp_path_factory.mktemp("vllm")
+    servers: dict[str, VllmServer] = {}
     try:
-        server.wait_ready()
-        yield server
+        for mode in MODES:
+            servers[mode] = VllmServer(
+                log_dir / f"limited-{mode}.log", *LIMITED_FLAGS, async_scheduling=mode == "async"
+            )
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
     finally:
-        server.kill()
+        for server in servers.values():
+            server.kill()
+
+
+@pytest.fixture(scope="session", params=MODES)
+def limited_server(
+    request: pytest.FixtureRequest, limited_servers: dict[str, VllmServer]
+) -> VllmServer:
+    return limited_servers[request.param]

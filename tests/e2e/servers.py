@@ -24,11 +24,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def vllm_command(port: int, *flags: str) -> list[str]:
+# The plain server command; the async launcher keeps --async-scheduling on
+# (vLLM's CPU platform turns it off; see tests/e2e/cpu_async_server.py).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ASYNC_SERVER_MODULE = "tests.e2e.cpu_async_server"
+
+
+def vllm_command(port: int, *flags: str, async_scheduling: bool = False) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        ASYNC_SERVER_MODULE if async_scheduling else SERVER_MODULE,
         "--model",
         str(TINY_MODEL),
         "--served-model-name",
@@ -40,12 +46,16 @@ def vllm_command(port: int, *flags: str) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
+        *(["--async-scheduling"] if async_scheduling else []),
         *flags,
     ]
 
 
 def vllm_env() -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # The async launcher is imported as tests.e2e.cpu_async_server.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 class Process:
@@ -74,10 +84,21 @@ class Process:
 
 
 class VllmServer(Process):
-    def __init__(self, log_path: Path, *flags: str) -> None:
+    def __init__(self, log_path: Path, *flags: str, async_scheduling: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__(vllm_command(self.port, *flags), log_path, env=vllm_env())
+        self.async_scheduling = async_scheduling
+        command = vllm_command(self.port, *flags, async_scheduling=async_scheduling)
+        super().__init__(command, log_path, env=vllm_env())
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric over its label sets, from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + "{", name + " "))
+        )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
