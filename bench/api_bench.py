@@ -311,6 +311,13 @@ def main() -> None:
     ]
     for kind in kinds:
         report += run_one(kind, args.seconds, args.concurrency)
+    report += [
+        "req/CPU-s is 1000 / (server CPU ms per request): what one free core would sustain "
+        "for this request mix. The server process includes the push server, which reads the "
+        "change log after every write. On a shared machine (see the load averages) wall-clock "
+        "rates and p99 depend on the other work; the CPU cost per request does much less.",
+        "",
+    ]
     if args.out != "-":
         Path(args.out).write_text("\n".join(report))
         print(f"wrote {args.out}")
