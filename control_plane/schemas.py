@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_RATE = 1_000_000
 USER_ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 TIER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# Free text: tabs and line breaks are fine, other control characters (NUL!) are not.
+TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
 
 Rate = Annotated[int, Field(strict=True, ge=1, le=MAX_RATE)]
 TierName = Annotated[str, Field(strict=True, pattern=TIER_NAME_PATTERN)]
@@ -35,7 +37,9 @@ class BulkIn(_Body):
 
 class TierIn(_Body):
     output_tokens_per_second: Rate | None = None
-    description: Annotated[str, Field(strict=True, max_length=1000)] | None = None
+    description: (
+        Annotated[str, Field(strict=True, max_length=1000, pattern=TEXT_PATTERN)] | None
+    ) = None
 
 
 class DefaultIn(_Body):

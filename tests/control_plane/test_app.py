@@ -116,3 +116,15 @@ def test_tier_description_is_kept_unless_given(client: TestClient) -> None:
     client.put("/tiers/t", json={"output_tokens_per_second": 6})
     assert client.get("/tiers/t").json()["description"] == "trial"
     assert client.delete("/tiers/missing").status_code == 404
+
+
+def test_control_characters_are_refused_everywhere(client: TestClient) -> None:
+    # PostgreSQL cannot store NUL: it must be a 422, never a 500.
+    response = client.put("/tiers/x", json={"description": "a\u0000b"})
+    assert (response.status_code, response.json()["field"]) == (422, "description")
+    response = client.post("/tokens", json={"name": "a\u0000b"})
+    assert (response.status_code, response.json()["field"]) == (422, "name")
+    assert client.put("/limits/a%00b", json={}).status_code == 422
+    assert client.get("/limits?q=a%00").status_code == 422
+    assert client.put("/tiers/y", json={"description": "two\nlines\tok"}).status_code == 200
+    assert client.get("/engines").json()["version"] == 1
