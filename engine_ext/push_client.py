@@ -196,6 +196,13 @@ class PushClient:
     # ---- engine thread --------------------------------------------------
 
     def start(self) -> None:
+        if self._server_public_key is not None and self._client_secret_key is None:
+            logger.warning(
+                "output-rate: %s is not set; connecting to %s with a throwaway CURVE key, "
+                "which a control plane listing OUTPUT_RATE_ZMQ_CLIENT_KEYS refuses",
+                ENGINE_SECRET_KEY_ENV,
+                self.endpoint,
+            )
         self._thread.start()
 
     def close(self) -> None:
@@ -340,7 +347,8 @@ class PushClient:
                     if self.num_reconnects == 1 or self.num_reconnects % 20 == 0:
                         logger.warning(
                             "output-rate: no word from the control plane at %s for %.1fs; "
-                            "new connection (keeping the last limits)",
+                            "new connection, keeping the last limits (down, unreachable, or "
+                            "a CURVE key mismatch)",
                             self.endpoint,
                             self._reconnect_after_s,
                         )
