@@ -447,15 +447,3 @@ class OutputRateAsyncScheduler(OutputRateMixin, AsyncScheduler):
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self._init_output_rate(vllm_config)
-
-
-def scheduler_class_for(async_scheduling: bool) -> type[Scheduler]:
-    return OutputRateAsyncScheduler if async_scheduling else OutputRateScheduler
-
-
-__all__ = (
-    "OutputRateAsyncScheduler",
-    "OutputRateScheduler",
-    "request_user",
-    "scheduler_class_for",
-)

@@ -114,3 +114,54 @@ class VllmServer(Process):
                 pass
             time.sleep(1)
         raise RuntimeError(f"vLLM not ready in {STARTUP_TIMEOUT_S}s:\n{self.log()[-4000:]}")
+
+
+class ControlPlane(Process):
+    """`output-rate serve` on the given ports, with an admin token."""
+
+    TOKEN = "e2e-admin-token"
+
+    def __init__(self, log_path: Path, db_url: str, port: int, zmq_port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
+        self.db_url = db_url
+        env = {
+            **os.environ,
+            "OUTPUT_RATE_DATABASE_URL": db_url,
+            "OUTPUT_RATE_ADMIN_TOKEN": self.TOKEN,
+            "OUTPUT_RATE_PORT": str(port),
+            "OUTPUT_RATE_ZMQ_ENDPOINT": self.zmq_endpoint,
+        }
+        super().__init__([sys.executable, "-m", "control_plane.cli", "serve"], log_path, env)
+
+    @classmethod
+    def auth_headers(cls) -> dict[str, str]:
+        return {"Authorization": f"Bearer {cls.TOKEN}"}
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(self.log()[-3000:])
+
+    def put(self, user: str, rate: int | None) -> int:
+        response = httpx.put(
+            f"{self.url}/limits/{user}",
+            json={"output_tokens_per_second": rate},
+            headers=self.auth_headers(),
+        )
+        response.raise_for_status()
+        return int(response.json()["version"])
+
+    def wait_applied(self, version: int, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            engines = httpx.get(f"{self.url}/engines", headers=self.auth_headers()).json()["items"]
+            if engines and all(e["applied_version"] >= version and e["connected"] for e in engines):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"engines did not apply {version}: {engines}")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,51 +14,10 @@ import pytest
 from control_plane import services
 from control_plane.db import begin_write, make_engine, make_session_factory
 from tests.e2e.client import StreamResult, run, stream_completion, user_rate
-from tests.e2e.servers import Process, VllmServer, free_port
+from tests.e2e.servers import ControlPlane, VllmServer, free_port
 
 pytestmark = pytest.mark.e2e
-TOKEN = "e2e-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-class ControlPlane(Process):
-    def __init__(self, log_path: Path, db_url: str, port: int, zmq_port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.db_url = db_url
-        env = {
-            **os.environ,
-            "OUTPUT_RATE_DATABASE_URL": db_url,
-            "OUTPUT_RATE_ADMIN_TOKEN": TOKEN,
-            "OUTPUT_RATE_PORT": str(port),
-            "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{zmq_port}",
-        }
-        super().__init__([sys.executable, "-m", "control_plane.cli", "serve"], log_path, env)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(self.log()[-3000:])
-
-    def put(self, user: str, rate: int | None) -> int:
-        response = httpx.put(
-            f"{self.url}/limits/{user}", json={"output_tokens_per_second": rate}, headers=AUTH
-        )
-        response.raise_for_status()
-        return int(response.json()["version"])
-
-    def wait_applied(self, version: int, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            engines = httpx.get(f"{self.url}/engines", headers=AUTH).json()["items"]
-            if engines and all(e["applied_version"] >= version and e["connected"] for e in engines):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"engines did not apply {version}: {engines}")
+AUTH = ControlPlane.auth_headers()
 
 
 class Stack:

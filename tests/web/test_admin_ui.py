@@ -6,12 +6,9 @@ engine_ext.protocol), so the engines and usage views show real reports.
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,9 +16,11 @@ import zmq
 from playwright.sync_api import Page, expect, sync_playwright
 
 from engine_ext import protocol as p
-from tests.e2e.servers import Process, free_port
+from tests.e2e.servers import ControlPlane, free_port
 
-TOKEN = "ui-admin-token"
+TOKEN = ControlPlane.TOKEN
+# Generous: the UI polls once a second and CI shares two cores with the server.
+expect.set_options(timeout=15_000)
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -34,40 +33,17 @@ CHROMIUM_ARGS = [
 ]
 
 
-class Served:
-    def __init__(self, tmp: Path) -> None:
-        self.port, self.zmq_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.zmq_endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
-        env = {
-            **os.environ,
-            "OUTPUT_RATE_DATABASE_URL": f"sqlite:///{tmp / 'ui.db'}",
-            "OUTPUT_RATE_ADMIN_TOKEN": TOKEN,
-            "OUTPUT_RATE_PORT": str(self.port),
-            "OUTPUT_RATE_ZMQ_ENDPOINT": self.zmq_endpoint,
-        }
-        self.process = Process(
-            [sys.executable, "-m", "control_plane.cli", "serve"], tmp / "cp.log", env
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(self.process.log()[-3000:])
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = Served(tmp_path_factory.mktemp("ui"))
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    tmp = tmp_path_factory.mktemp("ui")
+    server = ControlPlane(tmp / "cp.log", f"sqlite:///{tmp / 'ui.db'}", free_port(), free_port())
+    server.wait_ready()
     yield server
-    server.process.kill()
+    server.kill()
 
 
 @pytest.fixture
-def page(served: Served) -> Iterator[Page]:
+def page(served: ControlPlane) -> Iterator[Page]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page()
@@ -78,7 +54,7 @@ def page(served: Served) -> Iterator[Page]:
         browser.close()
 
 
-def test_tiers_users_and_default_are_managed_from_the_ui(page: Page, served: Served) -> None:
+def test_tiers_users_and_default_are_managed_from_the_ui(page: Page, served: ControlPlane) -> None:
     page.fill("#tier-name", "gold")
     page.fill("#tier-rate", "50")
     page.fill("#tier-description", "paid")
@@ -127,7 +103,7 @@ def test_tiers_users_and_default_are_managed_from_the_ui(page: Page, served: Ser
     expect(page.locator('#tiers tr[data-tier="gold"]')).to_have_count(0)
 
 
-def test_engines_and_live_usage_from_a_real_protocol_peer(page: Page, served: Served) -> None:
+def test_engines_and_live_usage_from_a_real_protocol_peer(page: Page, served: ControlPlane) -> None:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
