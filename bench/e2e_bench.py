@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.client import StreamResult, stream_completion, user_rate
+from tests.e2e.client import StreamResult, stream_completion, user_rate, wall_rate
 from tests.e2e.servers import VllmServer
 
 LIMITS = (20, 100, 300)
@@ -84,11 +84,6 @@ def throughput(url: str, num_streams: int, max_tokens: int) -> float:
     return sum(r.completion_tokens for r in results) / elapsed
 
 
-def single_rate(result: StreamResult) -> float:
-    num_tokens, span = user_rate([result])
-    return (num_tokens - 1) / span
-
-
 def isolation(url: str, hog_streams: int) -> tuple[float, float]:
     """(user-c tok/s alone, beside a hog with ``hog_streams`` streams)."""
 
@@ -104,7 +99,7 @@ def isolation(url: str, hog_streams: int) -> tuple[float, float]:
             for task in hog:
                 task.cancel()
             await asyncio.gather(*hog, return_exceptions=True)
-            return single_rate(alone), single_rate(beside)
+            return wall_rate(alone), wall_rate(beside)
 
     return asyncio.run(main())
 
@@ -204,8 +199,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         "## Isolation",
         "",
-        "Tokens/s of one unlimited stream (300 tokens) alone, then beside a second user "
-        f"with {args.hog_streams} streams.",
+        "Tokens per wall second (request sent to last byte) of one unlimited stream "
+        f"(300 tokens) alone, then beside a second user with {args.hog_streams} streams.",
         "",
         "| server | hog | alone tok/s | beside tok/s | ratio |",
         "|---|---|---|---|---|",

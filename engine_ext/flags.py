@@ -47,11 +47,22 @@ def check_user_id(user: object) -> str:
     return user
 
 
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"user {key!r} is given twice")
+        data[key] = value
+    return data
+
+
 def parse_user_rates(text: str) -> dict[str, int | None]:
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"is not valid JSON ({e})") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not isinstance(data, dict):
         raise argparse.ArgumentTypeError(
             'must be a JSON object like {"user-a": 100, "user-b": null}'

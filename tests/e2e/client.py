@@ -20,6 +20,9 @@ class StreamResult:
     user: str | None
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # Client clock: request sent, response fully read.
+    started: float = 0.0
+    finished: float = 0.0
     completion_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
@@ -46,7 +49,7 @@ async def stream_completion(
     body.setdefault("ignore_eos", True)
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
-    result = StreamResult(user=user)
+    result = StreamResult(user=user, started=time.monotonic())
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -64,12 +67,27 @@ async def stream_completion(
             result.completion_tokens = num_tokens
             if stop_after_tokens is not None and num_tokens >= stop_after_tokens:
                 break  # client cancels mid-stream: closing the response aborts it
+    result.finished = time.monotonic()
     return result
 
 
-def user_rate(results: list[StreamResult]) -> tuple[int, float]:
-    """(tokens, first-to-last token span in s) over all of a user's streams."""
-    times = sorted(t for r in results for t in r.token_times)
+def wall_rate(result: StreamResult) -> float:
+    """Tokens per second of wall time, request sent to last byte read.
+
+    Unlike first-to-last token spans, this cannot be inflated by chunks that
+    a stalled process delivers all at once.
+    """
+    return result.completion_tokens / (result.finished - result.started)
+
+
+def user_rate(results: list[StreamResult], *, skip: int = 0) -> tuple[int, float]:
+    """(tokens, first-to-last token span in s) over all of a user's streams.
+
+    ``skip`` leaves out the user's first tokens: they arrive together with the
+    start-up work of every stream begun at the same time, and their delivery
+    delay would shorten the measured span.
+    """
+    times = sorted(t for r in results for t in r.token_times)[skip:]
     return len(times), times[-1] - times[0]
 
 

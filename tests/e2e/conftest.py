@@ -18,6 +18,7 @@ from tests.e2e.servers import VllmServer
 # One engine per mode for the engine e2e tests; every user and limit they need is here.
 ENGINE_LIMITS = {"user-a": 20, "user-a1": 20, "user-a4": 20, "user-b": 100}
 MODES = ("sync", "async")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 LIMITED_FLAGS = (
     "--user-output-tokens-per-second",
     json.dumps(ENGINE_LIMITS),
@@ -28,6 +29,9 @@ LIMITED_FLAGS = (
     "--max-num-batched-tokens",
     "64",
     "--enable-prefix-caching",
+    # The tiny model's tokenizer has no chat template; chat tests need one.
+    "--chat-template",
+    CHAT_TEMPLATE,
 )
 
 

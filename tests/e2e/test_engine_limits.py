@@ -20,7 +20,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.client import StreamResult, run, stream_completion, user_rate
+from tests.e2e.client import StreamResult, run, stream_completion, user_rate, wall_rate
+from tests.e2e.conftest import ENGINE_LIMITS
 from tests.e2e.servers import VllmServer, free_port, vllm_command, vllm_env
 
 pytestmark = pytest.mark.e2e
@@ -32,19 +33,16 @@ pytestmark = pytest.mark.e2e
 # exact engine-side bound is asserted on the real scheduler with a fake clock
 # in tests/engine_ext/test_scheduler.py.
 CLIENT_JITTER_S = 0.2
+# Rates are measured from a user's 5th token on (see client.user_rate).
+SKIP_FIRST_TOKENS = 4
 ABORT_SETTLE_S = 30.0
 
 
 def assert_limited(results: list[StreamResult], limit: int) -> None:
-    num_tokens, span = user_rate(results)
+    num_tokens, span = user_rate(results, skip=SKIP_FIRST_TOKENS)
     rate = (num_tokens - 1) / span
     assert rate >= 0.95 * limit, (rate, limit)
     assert num_tokens <= (span + 0.1 + CLIENT_JITTER_S) * limit + 1, (num_tokens, span, limit)
-
-
-def stream_rate(result: StreamResult) -> float:
-    num_tokens, span = user_rate([result])
-    return (num_tokens - 1) / span
 
 
 def wait_until_idle(server: VllmServer) -> None:
@@ -103,7 +101,8 @@ def test_unlimited_user_keeps_its_speed_beside_a_throttled_one(
     # 8 throttled streams of user-a are resident (--max-num-seqs 16) but only
     # 4 slots are active per step (--max-num-active-seqs 4). Alone and beside
     # are measured in alternation, three times, and compared by median, so
-    # load from other processes on the machine hits both alike.
+    # load from other processes on the machine hits both alike; the rate is
+    # tokens per wall second of the whole request.
     async def pair(client: httpx.AsyncClient) -> tuple[float, float]:
         url = limited_server.url
         alone = await stream_completion(client, url, user="user-c", max_tokens=150)
@@ -117,7 +116,7 @@ def test_unlimited_user_keeps_its_speed_beside_a_throttled_one(
             task.cancel()
         await asyncio.gather(*throttled, return_exceptions=True)
         assert alone.completion_tokens == beside.completion_tokens == 150
-        return stream_rate(alone), stream_rate(beside)
+        return wall_rate(alone), wall_rate(beside)
 
     async def main() -> list[tuple[float, float]]:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -219,7 +218,26 @@ def test_anonymous_and_unknown_users_are_unlimited_without_a_default(
 
     for result in run(main()):
         assert result.completion_tokens == 100
-        assert stream_rate(result) > 100
+        assert wall_rate(result) > 2 * min(ENGINE_LIMITS.values())  # not throttled
+
+
+def test_chat_requests_carry_the_user_through_vllm_xargs(limited_server: VllmServer) -> None:
+    # Non-streaming chat for user-a (20 tok/s): 30 tokens cannot come back
+    # sooner than the budget allows (a lower bound on time; load only adds).
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "vllm_xargs": {"output_rate_user": "user-a"},
+    }
+    start = time.monotonic()
+    response = httpx.post(f"{limited_server.url}/v1/chat/completions", json=body, timeout=60)
+    elapsed = time.monotonic() - start
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 30
+    # GCRA: 30 tokens need at least (30 - 1) / 20 - 0.1 s.
+    assert elapsed >= (30 - 1) / 20 - 0.1, elapsed
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
