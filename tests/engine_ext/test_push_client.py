@@ -178,6 +178,19 @@ def test_a_lost_last_delta_is_found_by_the_server_heartbeat(
     assert resync.version == 5  # type: ignore[union-attr]
 
 
+def test_a_database_restored_to_an_older_version_is_followed(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine)
+    server.send(identity, p.Heartbeat(2))  # the server's state went back to version 2
+    _, resync = server.recv(p.Resync)
+    assert resync.version == 5  # type: ignore[union-attr]
+    server.send(identity, p.Snapshot(2, None, {}, {"a": (None, 1)}))
+    engine.until(lambda: engine.client.applied_version == 2)
+    assert engine.limiter.user_rates() == {"a": 1}
+    assert engine.limiter.default_rate is None
+
+
 def test_garbage_is_dropped_counted_and_followed_by_a_resync(
     server: ScriptedServer, engine: Engine
 ) -> None:
