@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from typing import Any
 
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
@@ -23,13 +25,26 @@ logger = logging.getLogger("vllm.output_rate." + __name__)
 SYNC_SCHEDULER = "engine_ext.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER = "engine_ext.scheduler.OutputRateAsyncScheduler"
 _PATCHED_ATTR = "_output_rate_patched"
+# Set by the API server process when limiting is on. Extra API server processes
+# (--api-server-count > 1) are spawned with the parsed arguments and build
+# their EngineArgs before any plugin is loaded there, so they learn it from the
+# environment they inherit.
+LIMITING_ENV = "VLLM_OUTPUT_RATE_LIMITING"
+# Imported by every OpenAI API server process (main and extra), not by engines.
+API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def register() -> None:
     _patch_engine_args()
+    if limiting_on() and API_SERVER_MODULE in sys.modules:
+        _reject_beam_search()  # an extra API server process
     from engine_ext.engine_core import patch_engine_core
 
     patch_engine_core()
+
+
+def limiting_on() -> bool:
+    return os.environ.get(LIMITING_ENV) == "1"
 
 
 def _patch_engine_args() -> None:
@@ -58,6 +73,7 @@ def _patch_engine_args() -> None:
                 **(engine_args.additional_config or {}),
                 CONFIG_KEY: rate_config.to_dict(),
             }
+            os.environ[LIMITING_ENV] = "1"
             _reject_beam_search()
         return engine_args
 
@@ -96,7 +112,12 @@ BEAM_SEARCH_MESSAGE = (
 
 
 def _reject_beam_search() -> None:
-    """Answer beam-search requests with a 400 in the OpenAI server."""
+    """Answer beam-search requests with a 400 in the OpenAI server while limiting is on.
+
+    Installed only in API server processes of a limited server (importing the
+    serving modules elsewhere would slow every engine's start); only requests
+    that ask for beam search read the environment.
+    """
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
@@ -111,7 +132,7 @@ def _reject_beam_search() -> None:
         async def guarded(
             self: Any, request: Any, *args: Any, _original: Any = original, **kw: Any
         ) -> Any:
-            if getattr(request, "use_beam_search", False):
+            if getattr(request, "use_beam_search", False) and limiting_on():
                 return self.create_error_response(BEAM_SEARCH_MESSAGE)
             return await _original(self, request, *args, **kw)
 

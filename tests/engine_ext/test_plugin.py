@@ -8,11 +8,24 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
-from engine_ext.plugin import ASYNC_SCHEDULER, SYNC_SCHEDULER, register
+from engine_ext.plugin import (
+    ASYNC_SCHEDULER,
+    LIMITING_ENV,
+    SYNC_SCHEDULER,
+    limiting_on,
+    register,
+)
 from engine_ext.verify import OutputRateConfigError
 from tests.engine_ext.sched_helpers import TINY_MODEL
 
 BASE = ["--model", str(TINY_MODEL), "--max-model-len", "512", "--enforce-eager"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_limiting_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # from_cli_args marks the process (and its children) as limited; start
+    # each test unmarked and let monkeypatch drop the mark afterwards.
+    monkeypatch.setenv(LIMITING_ENV, "0")
 
 
 def parse(*flags: str):
@@ -31,6 +44,15 @@ def test_no_flag_changes_nothing() -> None:
     config = engine_config()
     assert CONFIG_KEY not in config.additional_config
     assert "engine_ext" not in str(config.scheduler_config.scheduler_cls)
+    assert not limiting_on()
+
+
+def test_limit_flags_mark_the_process_tree_and_guard_beam_search() -> None:
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    engine_config("--default-user-output-tokens-per-second", "5")
+    assert limiting_on()  # inherited by extra API server processes
+    assert getattr(OpenAIServingCompletion.create_completion, "_output_rate_patched", False)
 
 
 def test_flags_reach_the_engine_config_and_pick_the_sync_scheduler() -> None:
