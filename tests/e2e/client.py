@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,22 @@ class StreamResult:
     completion_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines of an SSE body, split on "\n" only.
+
+    httpx's ``aiter_lines`` also splits on U+2028, U+0085 and similar, which
+    JSON leaves unescaped and a random-weight model happily generates.
+    """
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
 
 
 async def stream_completion(
@@ -52,7 +69,7 @@ async def stream_completion(
     result = StreamResult(user=user, started=time.monotonic())
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
