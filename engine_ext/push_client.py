@@ -32,7 +32,7 @@ from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
 

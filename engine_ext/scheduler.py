@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.output_rate." + __name__)
 
 USER_ARG = "output_rate_user"
 MAX_WAIT_S = 0.05
