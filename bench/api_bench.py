@@ -16,7 +16,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,17 +31,13 @@ import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
 
+from tests.e2e.servers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TOKEN = "bench-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NUM_USERS = 1_000_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -22,7 +22,6 @@ import argparse
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,15 +39,10 @@ from control_plane.cli import upgrade
 from control_plane.db import make_engine, make_session_factory
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from tests.e2e.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:
