@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.control_plane.factories import ADMIN_TOKEN
-from tests.e2e.servers import free_port
+from tests.e2e.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -34,20 +33,6 @@ class Served:
             timeout=60,
             **kwargs,  # type: ignore[arg-type]
         )
-
-
-def _wait_healthy(served: Served) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if served.process.poll() is not None:
-            raise RuntimeError(f"serve exited early:\n{served.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{served.url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"serve did not become healthy:\n{served.log.read_text()[-3000:]}")
 
 
 @contextmanager
@@ -70,7 +55,7 @@ def serve(db_url: str, workdir: Path, *, extra_args: tuple[str, ...] = ()) -> It
         )
     served = Served(url=f"http://127.0.0.1:{port}", process=process, log=log)
     try:
-        _wait_healthy(served)
+        wait_healthy(f"{served.url}/healthz", process, log, timeout_s=START_TIMEOUT_S)
         yield served
     finally:
         if process.poll() is None:

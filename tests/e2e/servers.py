@@ -60,6 +60,29 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def wait_healthy(
+    url: str, process: subprocess.Popen[bytes], log_path: Path, *, timeout_s: float
+) -> None:
+    """Poll ``url`` until it answers 200; fail at once if ``process`` exits."""
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited early:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"not healthy in {timeout_s}s:\n{log_path.read_text(errors='replace')[-3000:]}"
+    )
+
+
 class Process:
     """A child process in its own process group, killed with everything it spawned."""
 
@@ -141,14 +164,7 @@ class ControlPlane(Process):
         return {"Authorization": f"Bearer {cls.TOKEN}"}
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(self.log()[-3000:])
+        wait_healthy(f"{self.url}/healthz", self.popen, self.log_path, timeout_s=60)
 
     def put(self, user: str, rate: int | None) -> int:
         response = httpx.put(
