@@ -7,16 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.api import router
-from control_plane.db import make_engine, make_session_factory
+from control_plane.db import Database, make_engine
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.metrics import install_metrics
 from control_plane.settings import Settings
@@ -33,7 +32,7 @@ INSECURE_WARNING = (
 class NoUsage:
     """Usage source until the push server provides live figures."""
 
-    def usage_items(self, session: Session) -> list[dict[str, Any]]:
+    def usage_items(self, conn: Connection) -> list[dict[str, Any]]:
         return []
 
 
@@ -46,8 +45,8 @@ def _field_name(loc: Sequence[Any]) -> str:
 def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI:
     """The API on an already migrated database (`output-rate db upgrade`).
 
-    app.state offers session_factory, on_commit (callables taking the new config version,
-    run after each committed write) and usage_source (what GET /usage shows).
+    app.state offers db (control_plane.db.Database: its on_commit callables get each new
+    config version after its commit) and usage_source (what GET /usage shows).
     """
     if settings.admin_token is None and not insecure_no_auth:
         raise ConfigurationError(
@@ -57,13 +56,9 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     if insecure_no_auth:
         logger.warning(INSECURE_WARNING)
     app = FastAPI(title="vllm-output-rate control plane", version="0.1.0")
-    engine = make_engine(settings.database_url)
     app.state.settings = settings
     app.state.insecure_no_auth = insecure_no_auth
-    app.state.db_engine = engine
-    app.state.session_factory = make_session_factory(engine)
-    app.state.on_commit = []
-    app.state.write_lock = anyio.Lock()
+    app.state.db = Database(make_engine(settings.database_url))
     app.state.usage_source = NoUsage()
     app.state.logger = logger
 

@@ -6,12 +6,11 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
-import anyio.to_thread
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy.orm import Session
 
 from control_plane import services
-from control_plane.deps import SessionDep
+from control_plane.db import Database
+from control_plane.deps import DatabaseDep
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def _authenticate(request: Request, session: Session) -> Principal:
+async def _authenticate(request: Request, db: Database) -> Principal:
     if request.app.state.insecure_no_auth:
         return Principal("anonymous-admin", can_write=True)
     token = _bearer(request)
@@ -39,10 +38,8 @@ async def _authenticate(request: Request, session: Session) -> Principal:
     admin = request.app.state.settings.admin_token
     if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
         return Principal("admin", can_write=True)
-    # Only viewer tokens touch the database (and so a worker thread).
-    viewer = await anyio.to_thread.run_sync(
-        lambda: services.viewer_token_name(session, token=token)
-    )
+    # Only viewer tokens touch the database.
+    viewer = await db.read(services.viewer_token_name, token=token)
     if viewer is not None:
         return Principal(f"viewer:{viewer}", can_write=False)
     raise HTTPException(
@@ -50,12 +47,12 @@ async def _authenticate(request: Request, session: Session) -> Principal:
     )
 
 
-async def reader(request: Request, session: SessionDep) -> Principal:
-    return await _authenticate(request, session)
+async def reader(request: Request, db: DatabaseDep) -> Principal:
+    return await _authenticate(request, db)
 
 
-async def writer(request: Request, session: SessionDep) -> Principal:
-    principal = await _authenticate(request, session)
+async def writer(request: Request, db: DatabaseDep) -> Principal:
+    principal = await _authenticate(request, db)
     if not principal.can_write:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "viewer tokens may only read")
     return principal

@@ -7,7 +7,7 @@ import time
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane import repository as repo
@@ -47,14 +47,14 @@ class Metrics:
             registry=self.registry,
         )
 
-    def render(self, session: Session) -> bytes:
+    def render(self, conn: Connection) -> bytes:
         """Refresh the config gauges from the maintained counters (no table scans)."""
-        state = repo.get_config(session)
+        state = repo.get_config(conn)
         self.version.set(state.version)
         self.default_rate.set(-1 if state.default_rate is None else state.default_rate)
         self.users.clear()
         assigned = 0
-        for tier in repo.list_tiers(session):
+        for tier in repo.list_tiers(conn):
             self.users.labels(tier.name).set(tier.num_users)
             assigned += tier.num_users
         self.users.labels(NO_TIER).set(state.num_users - assigned)

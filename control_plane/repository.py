@@ -1,16 +1,21 @@
-"""Queries. No rules here: the services decide, this module reads and writes rows."""
+"""Queries. No rules here: the services decide, this module reads and writes rows.
+
+SQLAlchemy Core on a Connection: the hot statements are built once at import (their
+compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
+costs a fifth of its ORM unit-of-work form (bench/results/api.md).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
 
-from control_plane.db import begin_write
 from control_plane.models import (
     AuditEntry,
+    Base,
     ConfigChange,
     ConfigState,
     Engine,
@@ -22,64 +27,265 @@ from control_plane.models import (
 CONFIG_ROW_ID = 1
 
 
-def lock_config(session: Session) -> ConfigState:
-    """Take the writers' lock (a row lock on PostgreSQL, the write lock on SQLite).
+def _table(model: type[Base]) -> Table:
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
 
-    The no-op UPDATE is the first statement of every write transaction, so
-    concurrent writers queue here before reading anything they will change.
-    """
-    begin_write(session)
-    session.execute(
-        update(ConfigState)
-        .where(ConfigState.id == CONFIG_ROW_ID)
-        .values(version=ConfigState.version)
+
+config_state = _table(ConfigState)
+tiers = _table(Tier)
+user_limits = _table(UserLimit)
+config_changes = _table(ConfigChange)
+audit_log = _table(AuditEntry)
+viewer_tokens = _table(ViewerToken)
+engines = _table(Engine)
+
+
+class State(NamedTuple):
+    version: int
+    default_rate: int | None
+    num_users: int
+
+
+class UserRecord(NamedTuple):
+    """A configured user's row: its tier, its override rate, the version of its last change."""
+
+    tier: str | None
+    rate: int | None
+    version: int
+
+
+def _state(row: Any) -> State:
+    assert row is not None, "config_state row is created by the initial migration"
+    return State._make(row)
+
+
+# ---- config state ------------------------------------------------------------
+
+_STATE_COLUMNS = (config_state.c.version, config_state.c.default_rate, config_state.c.num_users)
+_GET_STATE = select(*_STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
+# The no-op UPDATE is the first statement of every write transaction: on PostgreSQL it
+# takes the config row's lock, so concurrent writers queue before they read anything
+# they will change (SQLite writers already hold the lock from BEGIN IMMEDIATE).
+_LOCK_STATE = (
+    update(config_state)
+    .where(config_state.c.id == CONFIG_ROW_ID)
+    .values(version=config_state.c.version)
+    .returning(*_STATE_COLUMNS)
+)
+_BUMP_STATE = (
+    update(config_state)
+    .where(config_state.c.id == CONFIG_ROW_ID)
+    .values(
+        version=bindparam("new_version"),
+        num_users=config_state.c.num_users + bindparam("new_users"),
+        updated_at=bindparam("now"),
     )
-    state = session.get(ConfigState, CONFIG_ROW_ID, populate_existing=True)
-    assert state is not None, "config_state row is created by the initial migration"
-    return state
+)
 
 
-def get_config(session: Session) -> ConfigState:
-    state = session.get(ConfigState, CONFIG_ROW_ID)
-    assert state is not None, "config_state row is created by the initial migration"
-    return state
+def lock_config(conn: Connection) -> State:
+    return _state(conn.execute(_LOCK_STATE).one_or_none())
 
 
-def get_tier(session: Session, name: str) -> Tier | None:
-    return session.get(Tier, name)
+def get_config(conn: Connection) -> State:
+    return _state(conn.execute(_GET_STATE).one_or_none())
 
 
-def list_tiers(session: Session) -> Sequence[Tier]:
-    return session.scalars(select(Tier).order_by(Tier.name)).all()
+def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
+    conn.execute(
+        _BUMP_STATE, {"new_version": version, "new_users": new_users, "now": datetime.now(UTC)}
+    )
 
 
-def add_tier_users(session: Session, name: str, delta: int) -> None:
-    session.execute(update(Tier).where(Tier.name == name).values(num_users=Tier.num_users + delta))
+def set_default_rate(conn: Connection, rate: int | None) -> None:
+    conn.execute(
+        update(config_state).where(config_state.c.id == CONFIG_ROW_ID).values(default_rate=rate)
+    )
 
 
-def tier_has_users(session: Session, name: str) -> bool:
-    return session.scalar(select(UserLimit.user).where(UserLimit.tier == name).limit(1)) is not None
+# ---- one user's limit, in one statement --------------------------------------
 
 
-def get_user(session: Session, user: str) -> UserLimit | None:
-    return session.get(UserLimit, user)
+class LimitRow(NamedTuple):
+    """What a LimitView needs: the config state, the user's row (or Nones), its tier's rate."""
+
+    version: int
+    default_rate: int | None
+    tier: str | None
+    rate: int | None
+    user_version: int | None
+    tier_rate: int | None
 
 
+_GET_LIMIT = (
+    select(
+        config_state.c.version,
+        config_state.c.default_rate,
+        user_limits.c.tier,
+        user_limits.c.rate,
+        user_limits.c.version,
+        tiers.c.rate,
+    )
+    .select_from(
+        config_state.outerjoin(user_limits, user_limits.c.user == bindparam("user")).outerjoin(
+            tiers, tiers.c.name == user_limits.c.tier
+        )
+    )
+    .where(config_state.c.id == CONFIG_ROW_ID)
+)
+
+
+def get_limit_row(conn: Connection, user: str) -> LimitRow:
+    row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
+    assert row is not None, "config_state row is created by the initial migration"
+    return LimitRow(*row)
+
+
+# ---- tiers -------------------------------------------------------------------
+
+
+class TierRow(NamedTuple):
+    name: str
+    rate: int | None
+    description: str
+    version: int
+    num_users: int
+
+
+_TIER_COLUMNS = (
+    tiers.c.name,
+    tiers.c.rate,
+    tiers.c.description,
+    tiers.c.version,
+    tiers.c.num_users,
+)
+_GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
+_ADD_TIER_USERS = (
+    update(tiers)
+    .where(tiers.c.name == bindparam("tier_name"))
+    .values(num_users=tiers.c.num_users + bindparam("delta"))
+)
+
+
+def get_tier(conn: Connection, name: str) -> TierRow | None:
+    row = conn.execute(_GET_TIER, {"name": name}).one_or_none()
+    return None if row is None else TierRow(*row)
+
+
+def list_tiers(conn: Connection) -> list[TierRow]:
+    return [TierRow(*r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
+
+
+def tier_rates(conn: Connection) -> dict[str, int | None]:
+    return dict(conn.execute(select(tiers.c.name, tiers.c.rate)).tuples().all())
+
+
+def insert_tier(
+    conn: Connection, *, name: str, rate: int | None, description: str, version: int
+) -> None:
+    conn.execute(
+        insert(tiers).values(
+            name=name,
+            rate=rate,
+            description=description,
+            version=version,
+            num_users=0,
+            updated_at=datetime.now(UTC),
+        )
+    )
+
+
+def update_tier(
+    conn: Connection, *, name: str, rate: int | None, description: str, version: int
+) -> None:
+    conn.execute(
+        update(tiers)
+        .where(tiers.c.name == name)
+        .values(rate=rate, description=description, version=version, updated_at=datetime.now(UTC))
+    )
+
+
+def delete_tier(conn: Connection, name: str) -> None:
+    conn.execute(delete(tiers).where(tiers.c.name == name))
+
+
+def add_tier_users(conn: Connection, deltas: dict[str, int]) -> None:
+    params = [{"tier_name": name, "delta": delta} for name, delta in deltas.items() if delta]
+    if params:
+        conn.execute(_ADD_TIER_USERS, params)
+
+
+def tier_has_users(conn: Connection, name: str) -> bool:
+    query = select(user_limits.c.user).where(user_limits.c.tier == name).limit(1)
+    return conn.execute(query).first() is not None
+
+
+# ---- users -------------------------------------------------------------------
+
+_GET_USER = select(user_limits.c.tier, user_limits.c.rate, user_limits.c.version).where(
+    user_limits.c.user == bindparam("user")
+)
+_INSERT_USER = insert(user_limits)
+_UPDATE_USER = (
+    update(user_limits)
+    .where(user_limits.c.user == bindparam("user_id"))
+    .values(
+        tier=bindparam("tier"),
+        rate=bindparam("rate"),
+        version=bindparam("version"),
+        updated_at=bindparam("updated_at"),
+    )
+)
+_DELETE_USER = delete(user_limits).where(user_limits.c.user == bindparam("user"))
 # Keeps IN (...) lists below SQLite's bound-parameter limit.
 _IN_CHUNK = 500
 
 
-def get_users(session: Session, users: Sequence[str]) -> dict[str, UserLimit]:
-    found: dict[str, UserLimit] = {}
+def get_user(conn: Connection, user: str) -> UserRecord | None:
+    row = conn.execute(_GET_USER, {"user": user}).one_or_none()
+    return None if row is None else UserRecord(*row)
+
+
+def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
+    found: dict[str, UserRecord] = {}
+    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
     for start in range(0, len(users), _IN_CHUNK):
         chunk = users[start : start + _IN_CHUNK]
-        for row in session.scalars(select(UserLimit).where(UserLimit.user.in_(chunk))):
-            found[row.user] = row
+        for user, tier, rate, version in conn.execute(
+            select(*columns).where(user_limits.c.user.in_(chunk))
+        ):
+            found[user] = UserRecord(tier, rate, version)
     return found
 
 
-def all_user_records(session: Session) -> dict[str, tuple[str | None, int | None]]:
-    rows = session.execute(select(UserLimit.user, UserLimit.tier, UserLimit.rate))
+def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
+    now = datetime.now(UTC)
+    params = [
+        {"user": user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
+        for user, r in records
+    ]
+    if params:
+        conn.execute(_INSERT_USER, params)
+
+
+def update_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
+    now = datetime.now(UTC)
+    params = [
+        {"user_id": user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
+        for user, r in records
+    ]
+    if params:
+        conn.execute(_UPDATE_USER, params)
+
+
+def delete_user(conn: Connection, user: str) -> None:
+    conn.execute(_DELETE_USER, {"user": user})
+
+
+def all_user_records(conn: Connection) -> dict[str, tuple[str | None, int | None]]:
+    rows = conn.execute(select(user_limits.c.user, user_limits.c.tier, user_limits.c.rate))
     return {user: (tier, rate) for user, tier, rate in rows}
 
 
@@ -97,41 +303,52 @@ def prefix_upper_bound(prefix: str) -> str | None:
 
 def _filter(query: Any, *, tier: str | None, prefix: str | None) -> Any:
     if tier is not None:
-        query = query.where(UserLimit.tier == tier)
+        query = query.where(user_limits.c.tier == tier)
     if prefix:
         # A range on the (byte-ordered) key instead of LIKE: one index range on both
         # databases, and no escaping of % and _.
-        query = query.where(UserLimit.user >= prefix)
+        query = query.where(user_limits.c.user >= prefix)
         upper = prefix_upper_bound(prefix)
         if upper is not None:
-            query = query.where(UserLimit.user < upper)
+            query = query.where(user_limits.c.user < upper)
     return query
 
 
 def list_users(
-    session: Session, *, offset: int, limit: int, tier: str | None, prefix: str | None
-) -> Sequence[UserLimit]:
-    query = _filter(select(UserLimit), tier=tier, prefix=prefix)
-    return session.scalars(query.order_by(UserLimit.user).offset(offset).limit(limit)).all()
+    conn: Connection, *, offset: int, limit: int, tier: str | None, prefix: str | None
+) -> list[tuple[str, UserRecord]]:
+    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
+    query = _filter(select(*columns), tier=tier, prefix=prefix)
+    rows = conn.execute(query.order_by(user_limits.c.user).offset(offset).limit(limit))
+    return [(user, UserRecord(tier_, rate, version)) for user, tier_, rate, version in rows]
 
 
-def count_users(session: Session, *, tier: str | None, prefix: str | None) -> int:
-    query = _filter(select(func.count()).select_from(UserLimit), tier=tier, prefix=prefix)
-    return int(session.scalar(query) or 0)
+def count_users(conn: Connection, *, tier: str | None, prefix: str | None) -> int:
+    query = _filter(select(func.count()).select_from(user_limits), tier=tier, prefix=prefix)
+    return int(conn.execute(query).scalar() or 0)
 
 
-def add_change(session: Session, *, version: int, ops: list[dict[str, Any]]) -> None:
-    session.add(ConfigChange(version=version, ops=ops))
+# ---- change log and audit ----------------------------------------------------
+
+_INSERT_CHANGE = insert(config_changes)
+_INSERT_AUDIT = insert(audit_log)
 
 
-def changes_since(session: Session, version: int) -> Sequence[ConfigChange]:
-    return session.scalars(
-        select(ConfigChange).where(ConfigChange.version > version).order_by(ConfigChange.version)
-    ).all()
+def add_change(conn: Connection, *, version: int, ops: list[dict[str, Any]]) -> None:
+    conn.execute(_INSERT_CHANGE, {"version": version, "ops": ops, "at": datetime.now(UTC)})
+
+
+def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    query = (
+        select(config_changes.c.version, config_changes.c.ops)
+        .where(config_changes.c.version > version)
+        .order_by(config_changes.c.version)
+    )
+    return [(v, ops) for v, ops in conn.execute(query)]
 
 
 def add_audit(
-    session: Session,
+    conn: Connection,
     *,
     version: int,
     actor: str,
@@ -140,28 +357,110 @@ def add_audit(
     before: Any,
     after: Any,
 ) -> None:
-    session.add(
-        AuditEntry(
-            version=version, actor=actor, action=action, target=target, before=before, after=after
-        )
+    conn.execute(
+        _INSERT_AUDIT,
+        {
+            "at": datetime.now(UTC),
+            "version": version,
+            "actor": actor,
+            "action": action,
+            "target": target,
+            "before": before,
+            "after": after,
+        },
     )
 
 
-def list_audit(session: Session, *, limit: int) -> Sequence[AuditEntry]:
-    return session.scalars(select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)).all()
+def list_audit(conn: Connection, *, limit: int) -> Sequence[Row[Any]]:
+    return conn.execute(select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)).all()
 
 
-def find_viewer_token(session: Session, token_hash: str) -> ViewerToken | None:
-    return session.scalar(
-        select(ViewerToken).where(
-            ViewerToken.token_hash == token_hash, ViewerToken.revoked_at.is_(None)
-        )
+# ---- viewer tokens -------------------------------------------------------------
+
+_FIND_TOKEN = select(viewer_tokens.c.name).where(
+    viewer_tokens.c.token_hash == bindparam("token_hash"), viewer_tokens.c.revoked_at.is_(None)
+)
+
+
+def insert_viewer_token(conn: Connection, *, name: str, token_hash: str) -> int:
+    row = conn.execute(
+        insert(viewer_tokens)
+        .values(name=name, token_hash=token_hash, created_at=datetime.now(UTC))
+        .returning(viewer_tokens.c.id)
+    ).one()
+    return int(row[0])
+
+
+def get_viewer_token(conn: Connection, token_id: int) -> Row[Any] | None:
+    return conn.execute(select(viewer_tokens).where(viewer_tokens.c.id == token_id)).one_or_none()
+
+
+def revoke_viewer_token(conn: Connection, token_id: int) -> None:
+    conn.execute(
+        update(viewer_tokens)
+        .where(viewer_tokens.c.id == token_id)
+        .values(revoked_at=datetime.now(UTC))
     )
 
 
-def list_viewer_tokens(session: Session) -> Sequence[ViewerToken]:
-    return session.scalars(select(ViewerToken).order_by(ViewerToken.id)).all()
+def find_viewer_token(conn: Connection, token_hash: str) -> str | None:
+    name: str | None = conn.execute(_FIND_TOKEN, {"token_hash": token_hash}).scalar()
+    return name
 
 
-def list_engines(session: Session) -> Sequence[Engine]:
-    return session.scalars(select(Engine).order_by(Engine.engine_id)).all()
+def list_viewer_tokens(conn: Connection) -> Sequence[Row[Any]]:
+    return conn.execute(select(viewer_tokens).order_by(viewer_tokens.c.id)).all()
+
+
+# ---- engines -------------------------------------------------------------------
+
+
+def list_engines(conn: Connection) -> Sequence[Row[Any]]:
+    return conn.execute(select(engines).order_by(engines.c.engine_id)).all()
+
+
+def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
+    query = select(engines.c.engine_id).where(engines.c.engine_id.in_(ids))
+    return set(conn.execute(query).scalars())
+
+
+def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    if rows:
+        conn.execute(insert(engines), list(rows))
+
+
+def update_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """rows: engine_id, model, applied_version, last_seen (all mark it connected)."""
+    if not rows:
+        return
+    statement = (
+        update(engines)
+        .where(engines.c.engine_id == bindparam("id"))
+        .values(
+            # A peer known only from a heartbeat has no model: keep the one we had.
+            model=func.coalesce(func.nullif(bindparam("new_model"), ""), engines.c.model),
+            applied_version=bindparam("new_applied_version"),
+            connected=True,
+            last_seen=bindparam("new_last_seen"),
+        )
+    )
+    conn.execute(
+        statement,
+        [
+            {
+                "id": r["engine_id"],
+                "new_model": r["model"],
+                "new_applied_version": r["applied_version"],
+                "new_last_seen": r["last_seen"],
+            }
+            for r in rows
+        ],
+    )
+
+
+def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None) -> None:
+    """Mark the given engines (all of them for None) disconnected."""
+    statement = update(engines).values(connected=False)
+    if ids is not None:
+        statement = statement.where(engines.c.engine_id.in_(ids))
+    conn.execute(statement)

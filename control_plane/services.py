@@ -1,28 +1,28 @@
 """The rules of the limit model. Every write bumps the config version once, in
 the same transaction as the change, its audit entry and its change-log row;
-a write that changes nothing writes nothing."""
+a write that changes nothing writes nothing.
+
+Each function takes the Connection of one transaction (control_plane.db.Database runs
+it); the caller commits."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection
 
 from control_plane import repository as repo
+from control_plane.db import mark_new_version
 from control_plane.errors import Conflict, InvalidInput, NotFound
-from control_plane.models import ConfigState, Tier, UserLimit, ViewerToken
+from control_plane.repository import State, UserRecord
 
 MAX_BULK_ITEMS = 10_000
-MAX_PAGE = 1_000
-
-# session.info key: the version a write produced, for the on_commit hooks after commit.
-NEW_VERSION_KEY = "output_rate_new_version"
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,37 @@ class Snapshot:
     users: dict[str, tuple[str | None, int | None]]
 
 
+@dataclass(frozen=True)
+class EngineSeen:
+    """An engine the push endpoint heard from."""
+
+    engine_id: str
+    model: str
+    applied_version: int
+    first_seen: datetime
+
+
 # ---- views -----------------------------------------------------------------
 
 
 def limit_view(
-    *, user: str, row: UserLimit | None, tier_rates: dict[str, int | None], state: ConfigState
+    *,
+    user: str,
+    record: UserRecord | None,
+    tier_rate: int | None,
+    state_version: int,
+    default_rate: int | None,
 ) -> dict[str, Any]:
-    tier = row.tier if row else None
-    override = row.rate if row else None
+    """`tier_rate` is the rate of the record's tier (ignored without one)."""
+    tier = record.tier if record else None
+    override = record.rate if record else None
     effective: int | None
     if override is not None:
         effective, source = override, "override"
     elif tier is not None:
-        effective, source = tier_rates.get(tier), "tier"
+        effective, source = tier_rate, "tier"
     else:
-        effective, source = state.default_rate, "default"
+        effective, source = default_rate, "default"
     return {
         "user": user,
         "tier": tier,
@@ -59,113 +75,135 @@ def limit_view(
         "source": source,
         # The version of the user's last change (the current one for users
         # nobody configured): once engines applied it, this view is enforced.
-        "version": row.version if row else state.version,
+        "version": record.version if record else state_version,
     }
 
 
-def tier_view(tier: Tier, num_users: int) -> dict[str, Any]:
+def tier_view(tier: repo.TierRow) -> dict[str, Any]:
     return {
         "name": tier.name,
         "output_tokens_per_second": tier.rate,
         "description": tier.description,
-        "num_users": num_users,
+        "num_users": tier.num_users,
         "version": tier.version,
     }
 
 
-def _tier_rates(session: Session) -> dict[str, int | None]:
-    return {t.name: t.rate for t in repo.list_tiers(session)}
-
-
-def _user_record(row: UserLimit | None) -> dict[str, Any] | None:
-    return None if row is None else {"tier": row.tier, "output_tokens_per_second": row.rate}
+def _user_record(record: UserRecord | None) -> dict[str, Any] | None:
+    return (
+        None if record is None else {"tier": record.tier, "output_tokens_per_second": record.rate}
+    )
 
 
 # ---- reads -----------------------------------------------------------------
 
 
-def _rate_of_tier(session: Session, tier: str | None) -> dict[str, int | None]:
-    row = repo.get_tier(session, tier) if tier is not None else None
-    return {} if row is None else {row.name: row.rate}
-
-
-def get_limit(session: Session, *, user: str) -> dict[str, Any]:
-    row = repo.get_user(session, user)
+def get_limit(conn: Connection, *, user: str) -> dict[str, Any]:
+    row = repo.get_limit_row(conn, user)
+    record = None if row.user_version is None else UserRecord(row.tier, row.rate, row.user_version)
     return limit_view(
         user=user,
-        row=row,
-        tier_rates=_rate_of_tier(session, row.tier if row else None),
-        state=repo.get_config(session),
+        record=record,
+        tier_rate=row.tier_rate,
+        state_version=row.version,
+        default_rate=row.default_rate,
     )
 
 
 def list_limits(
-    session: Session, *, offset: int, limit: int, tier: str | None, prefix: str | None
+    conn: Connection, *, offset: int, limit: int, tier: str | None, prefix: str | None
 ) -> dict[str, Any]:
-    state = repo.get_config(session)
-    rows = repo.list_users(session, offset=offset, limit=limit, tier=tier, prefix=prefix)
+    state = repo.get_config(conn)
+    rows = repo.list_users(conn, offset=offset, limit=limit, tier=tier, prefix=prefix)
     # Totals come from maintained counters; only a prefix filter needs an index range count.
     if prefix:
-        total = repo.count_users(session, tier=tier, prefix=prefix)
+        total = repo.count_users(conn, tier=tier, prefix=prefix)
     elif tier is not None:
-        tier_row = repo.get_tier(session, tier)
+        tier_row = repo.get_tier(conn, tier)
         total = tier_row.num_users if tier_row else 0
     else:
         total = state.num_users
-    tier_rates = _tier_rates(session)
-    items = [limit_view(user=r.user, row=r, tier_rates=tier_rates, state=state) for r in rows]
+    rates = repo.tier_rates(conn)
+    items = [
+        limit_view(
+            user=user,
+            record=record,
+            tier_rate=rates.get(record.tier) if record.tier else None,
+            state_version=state.version,
+            default_rate=state.default_rate,
+        )
+        for user, record in rows
+    ]
     return {"items": items, "total": total}
 
 
-def list_tiers(session: Session) -> list[dict[str, Any]]:
-    return [tier_view(t, t.num_users) for t in repo.list_tiers(session)]
+def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
+    """Each user's effective rate (None: unlimited)."""
+    state = repo.get_config(conn)
+    rates = repo.tier_rates(conn)
+    records = repo.get_users(conn, users)
+    result: dict[str, int | None] = {}
+    for user in users:
+        record = records.get(user)
+        if record is None:
+            result[user] = state.default_rate
+        elif record.rate is not None:
+            result[user] = record.rate
+        elif record.tier is not None:
+            result[user] = rates.get(record.tier)
+        else:
+            result[user] = state.default_rate
+    return result
 
 
-def get_tier(session: Session, *, name: str) -> dict[str, Any]:
-    tier = repo.get_tier(session, name)
+def list_tiers(conn: Connection) -> list[dict[str, Any]]:
+    return [tier_view(t) for t in repo.list_tiers(conn)]
+
+
+def get_tier(conn: Connection, *, name: str) -> dict[str, Any]:
+    tier = repo.get_tier(conn, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
-    return tier_view(tier, tier.num_users)
+    return tier_view(tier)
 
 
-def get_default(session: Session) -> dict[str, Any]:
-    state = repo.get_config(session)
+def get_default(conn: Connection) -> dict[str, Any]:
+    state = repo.get_config(conn)
     return {"output_tokens_per_second": state.default_rate, "version": state.version}
 
 
-def current_version(session: Session) -> int:
-    return repo.get_config(session).version
+def current_version(conn: Connection) -> int:
+    return repo.get_config(conn).version
 
 
-def load_snapshot(session: Session) -> Snapshot:
+def load_snapshot(conn: Connection) -> Snapshot:
     """Version, default, tiers and users as of one instant.
 
     PostgreSQL runs the reads in one REPEATABLE READ transaction (so a concurrent write
     is wholly in the snapshot or wholly after its version); one SQLite read transaction
-    already sees a single snapshot. Give it a session that has not started yet.
+    already sees a single snapshot. Give it a connection whose transaction has not begun.
     """
-    if not session.in_transaction() and session.get_bind().dialect.name == "postgresql":
-        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-    state = session.get(ConfigState, repo.CONFIG_ROW_ID, populate_existing=True)
-    assert state is not None, "config_state row is created by the initial migration"
+    if not conn.in_transaction() and conn.dialect.name == "postgresql":
+        conn.execution_options(isolation_level="REPEATABLE READ")
+    state = repo.get_config(conn)
     return Snapshot(
         version=state.version,
         default_rate=state.default_rate,
-        tiers=_tier_rates(session),
-        users=repo.all_user_records(session),
+        tiers=repo.tier_rates(conn),
+        users=repo.all_user_records(conn),
     )
 
 
-def load_changes_since(session: Session, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    return [(c.version, c.ops) for c in repo.changes_since(session, version)]
+def load_changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    return repo.changes_since(conn, version)
 
 
 # ---- writes ----------------------------------------------------------------
 
 
 def _record(
-    session: Session,
-    state: ConfigState,
+    conn: Connection,
+    state: State,
     *,
     actor: str,
     action: str,
@@ -173,49 +211,57 @@ def _record(
     before: Any,
     after: Any,
     ops: list[dict[str, Any]],
+    new_users: int = 0,
 ) -> int:
-    state.version += 1
-    state.updated_at = datetime.now(UTC)
-    repo.add_change(session, version=state.version, ops=ops)
+    """The new version: bumped once, with its change-log row and its audit entry."""
+    version = state.version + 1
+    repo.bump_config(conn, version=version, new_users=new_users)
+    repo.add_change(conn, version=version, ops=ops)
     repo.add_audit(
-        session,
-        version=state.version,
+        conn,
+        version=version,
         actor=actor,
         action=action,
         target=target,
         before=before,
         after=after,
     )
-    session.info[NEW_VERSION_KEY] = state.version
-    return state.version
+    mark_new_version(conn, version)
+    return version
 
 
-def _count_users(
-    session: Session, state: ConfigState, *, new_users: int, tier_deltas: Counter[str | None]
-) -> None:
-    """Keep the user counters (total and per tier) in step with a user write."""
-    state.num_users += new_users
-    for name, delta in tier_deltas.items():
-        if name is not None and delta:
-            repo.add_tier_users(session, name, delta)
+def _tier_rate(conn: Connection, tier: str | None, *, field: str = "tier") -> int | None:
+    """The rate of `tier` (None for no tier); an unknown tier is bad input."""
+    if tier is None:
+        return None
+    row = repo.get_tier(conn, tier)
+    if row is None:
+        raise InvalidInput(f"{field}: unknown tier {tier!r}", field=field)
+    return row.rate
 
 
-def _require_tier(session: Session, tier: str | None) -> None:
-    if tier is not None and repo.get_tier(session, tier) is None:
-        raise InvalidInput(f"tier: unknown tier {tier!r}", field="tier")
+def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dict[str, int]:
+    """tier -> change in its user count, for (old record, new tier) pairs."""
+    deltas: Counter[str] = Counter()
+    for old, new_tier in changes:
+        if old is not None and old.tier is not None:
+            deltas[old.tier] -= 1
+        if new_tier is not None:
+            deltas[new_tier] += 1
+    return dict(deltas)
 
 
 def put_limit(
-    session: Session, *, actor: str, user: str, rate: int | None, tier: str | None
+    conn: Connection, *, actor: str, user: str, rate: int | None, tier: str | None
 ) -> dict[str, Any]:
-    state = repo.lock_config(session)
-    _require_tier(session, tier)
-    row = repo.get_user(session, user)
-    before = _user_record(row)
+    state = repo.lock_config(conn)
+    tier_rate = _tier_rate(conn, tier)
+    record = repo.get_user(conn, user)
+    before = _user_record(record)
     after = {"tier": tier, "output_tokens_per_second": rate}
     if before != after:
         version = _record(
-            session,
+            conn,
             state,
             actor=actor,
             action="put_limit",
@@ -223,42 +269,46 @@ def put_limit(
             before=before,
             after=after,
             ops=[{"op": "set_user", "user": user, "tier": tier, "rate": rate}],
+            new_users=0 if record else 1,
         )
-        deltas: Counter[str | None] = Counter({tier: 1})
-        if row is None:
-            row = UserLimit(user=user, tier=tier, rate=rate, version=version)
-            session.add(row)
+        new_record = UserRecord(tier, rate, version)
+        if record is None:
+            repo.insert_users(conn, [(user, new_record)])
         else:
-            deltas[row.tier] -= 1
-            row.tier, row.rate, row.version = tier, rate, version
-            row.updated_at = datetime.now(UTC)
-        _count_users(session, state, new_users=0 if before else 1, tier_deltas=deltas)
-        session.flush()
-    return limit_view(user=user, row=row, tier_rates=_rate_of_tier(session, tier), state=state)
+            repo.update_users(conn, [(user, new_record)])
+        repo.add_tier_users(conn, _tier_deltas([(record, tier)]))
+        record, state = new_record, state._replace(version=version)
+    return limit_view(
+        user=user,
+        record=record,
+        tier_rate=tier_rate,
+        state_version=state.version,
+        default_rate=state.default_rate,
+    )
 
 
-def delete_limit(session: Session, *, actor: str, user: str) -> None:
-    state = repo.lock_config(session)
-    row = repo.get_user(session, user)
-    if row is None:
+def delete_limit(conn: Connection, *, actor: str, user: str) -> None:
+    state = repo.lock_config(conn)
+    record = repo.get_user(conn, user)
+    if record is None:
         return
     _record(
-        session,
+        conn,
         state,
         actor=actor,
         action="delete_limit",
         target=user,
-        before=_user_record(row),
+        before=_user_record(record),
         after=None,
         ops=[{"op": "delete_user", "user": user}],
+        new_users=-1,
     )
-    _count_users(session, state, new_users=-1, tier_deltas=Counter({row.tier: -1}))
-    session.delete(row)
-    session.flush()
+    repo.delete_user(conn, user)
+    repo.add_tier_users(conn, _tier_deltas([(record, None)]))
 
 
 def bulk_put_limits(
-    session: Session, *, actor: str, items: Sequence[tuple[str, int | None, str | None]]
+    conn: Connection, *, actor: str, items: Sequence[tuple[str, int | None, str | None]]
 ) -> dict[str, Any]:
     """Apply up to MAX_BULK_ITEMS (user, rate, tier) records as one version."""
     if len(items) > MAX_BULK_ITEMS:
@@ -272,14 +322,14 @@ def bulk_put_limits(
                 field=f"items.{index}.user",
             )
         first_index[user] = index
-    state = repo.lock_config(session)
-    tiers = _tier_rates(session)
+    state = repo.lock_config(conn)
+    known_tiers = repo.tier_rates(conn)
     for index, (_, _, tier) in enumerate(items):
-        if tier is not None and tier not in tiers:
+        if tier is not None and tier not in known_tiers:
             raise InvalidInput(
                 f"items.{index}.tier: unknown tier {tier!r}", field=f"items.{index}.tier"
             )
-    existing = repo.get_users(session, users)
+    existing = repo.get_users(conn, users)
     changed = [
         (user, rate, tier)
         for user, rate, tier in items
@@ -287,8 +337,9 @@ def bulk_put_limits(
     ]
     if not changed:
         return {"version": state.version, "num_changed": 0}
+    num_new = sum(1 for user, _, _ in changed if user not in existing)
     version = _record(
-        session,
+        conn,
         state,
         actor=actor,
         action="bulk_put_limits",
@@ -297,29 +348,25 @@ def bulk_put_limits(
         before={u: _user_record(existing.get(u)) for u, _, _ in changed},
         after={u: {"tier": t, "output_tokens_per_second": r} for u, r, t in changed},
         ops=[{"op": "set_user", "user": u, "tier": t, "rate": r} for u, r, t in changed],
+        new_users=num_new,
     )
-    now = datetime.now(UTC)
-    deltas: Counter[str | None] = Counter()
-    new_users = 0
-    for user, rate, tier in changed:
-        row = existing.get(user)
-        deltas[tier] += 1
-        if row is None:
-            new_users += 1
-            session.add(UserLimit(user=user, tier=tier, rate=rate, version=version))
-        else:
-            deltas[row.tier] -= 1
-            row.tier, row.rate, row.version, row.updated_at = tier, rate, version, now
-    _count_users(session, state, new_users=new_users, tier_deltas=deltas)
-    session.flush()
+    repo.insert_users(
+        conn,
+        [(u, UserRecord(t, r, version)) for u, r, t in changed if u not in existing],
+    )
+    repo.update_users(
+        conn,
+        [(u, UserRecord(t, r, version)) for u, r, t in changed if u in existing],
+    )
+    repo.add_tier_users(conn, _tier_deltas((existing.get(u), t) for u, _, t in changed))
     return {"version": version, "num_changed": len(changed)}
 
 
 def put_tier(
-    session: Session, *, actor: str, name: str, rate: int | None, description: str | None
+    conn: Connection, *, actor: str, name: str, rate: int | None, description: str | None
 ) -> dict[str, Any]:
-    state = repo.lock_config(session)
-    tier = repo.get_tier(session, name)
+    state = repo.lock_config(conn)
+    tier = repo.get_tier(conn, name)
     before = (
         None
         if tier is None
@@ -327,41 +374,38 @@ def put_tier(
     )
     new_description = description if description is not None else (tier.description if tier else "")
     after = {"output_tokens_per_second": rate, "description": new_description}
-    if before != after:
-        version = _record(
-            session,
-            state,
-            actor=actor,
-            action="put_tier",
-            target=name,
-            before=before,
-            after=after,
-            ops=[{"op": "set_tier", "name": name, "rate": rate}],
-        )
-        if tier is None:
-            tier = Tier(
-                name=name, rate=rate, description=new_description, version=version, num_users=0
-            )
-            session.add(tier)
-        else:
-            tier.rate, tier.description, tier.version = rate, new_description, version
-            tier.updated_at = datetime.now(UTC)
-        session.flush()
-    assert tier is not None
-    return tier_view(tier, tier.num_users)
+    if before == after:
+        assert tier is not None
+        return tier_view(tier)
+    version = _record(
+        conn,
+        state,
+        actor=actor,
+        action="put_tier",
+        target=name,
+        before=before,
+        after=after,
+        ops=[{"op": "set_tier", "name": name, "rate": rate}],
+    )
+    if tier is None:
+        repo.insert_tier(conn, name=name, rate=rate, description=new_description, version=version)
+        tier = repo.TierRow(name, rate, new_description, version, 0)
+    else:
+        repo.update_tier(conn, name=name, rate=rate, description=new_description, version=version)
+        tier = tier._replace(rate=rate, description=new_description, version=version)
+    return tier_view(tier)
 
 
-def delete_tier(session: Session, *, actor: str, name: str) -> None:
-    state = repo.lock_config(session)
-    tier = repo.get_tier(session, name)
+def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
+    state = repo.lock_config(conn)
+    tier = repo.get_tier(conn, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
     # The EXISTS (one index probe) guards against the counter ever drifting.
-    num_users = tier.num_users
-    if num_users or repo.tier_has_users(session, name):
-        raise Conflict(f"tier {name!r} still has {num_users} users assigned", field="name")
+    if tier.num_users or repo.tier_has_users(conn, name):
+        raise Conflict(f"tier {name!r} still has {tier.num_users} users assigned", field="name")
     _record(
-        session,
+        conn,
         state,
         actor=actor,
         action="delete_tier",
@@ -370,30 +414,28 @@ def delete_tier(session: Session, *, actor: str, name: str) -> None:
         after=None,
         ops=[{"op": "delete_tier", "name": name}],
     )
-    session.delete(tier)
-    session.flush()
+    repo.delete_tier(conn, name)
 
 
-def put_default(session: Session, *, actor: str, rate: int | None) -> dict[str, Any]:
-    state = repo.lock_config(session)
-    if state.default_rate != rate:
-        before = {"output_tokens_per_second": state.default_rate}
-        _record(
-            session,
-            state,
-            actor=actor,
-            action="put_default",
-            target="default",
-            before=before,
-            after={"output_tokens_per_second": rate},
-            ops=[{"op": "set_default", "rate": rate}],
-        )
-        state.default_rate = rate
-        session.flush()
-    return {"output_tokens_per_second": state.default_rate, "version": state.version}
+def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, Any]:
+    state = repo.lock_config(conn)
+    if state.default_rate == rate:
+        return {"output_tokens_per_second": rate, "version": state.version}
+    version = _record(
+        conn,
+        state,
+        actor=actor,
+        action="put_default",
+        target="default",
+        before={"output_tokens_per_second": state.default_rate},
+        after={"output_tokens_per_second": rate},
+        ops=[{"op": "set_default", "rate": rate}],
+    )
+    repo.set_default_rate(conn, rate)
+    return {"output_tokens_per_second": rate, "version": version}
 
 
-def list_audit(session: Session, *, limit: int) -> list[dict[str, Any]]:
+def list_audit(conn: Connection, *, limit: int) -> list[dict[str, Any]]:
     return [
         {
             "at": e.at.isoformat(),
@@ -404,7 +446,7 @@ def list_audit(session: Session, *, limit: int) -> list[dict[str, Any]]:
             "before": e.before,
             "after": e.after,
         }
-        for e in repo.list_audit(session, limit=limit)
+        for e in repo.list_audit(conn, limit=limit)
     ]
 
 
@@ -415,29 +457,27 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _audit_token(session: Session, *, actor: str, action: str, row: ViewerToken) -> None:
+def _audit_token(conn: Connection, *, actor: str, action: str, token_id: int, name: str) -> None:
     """Tokens are not limit configuration: audited, but the version does not move."""
     repo.add_audit(
-        session,
-        version=repo.get_config(session).version,
+        conn,
+        version=repo.get_config(conn).version,
         actor=actor,
         action=action,
-        target=f"token:{row.id}",
-        before=None if action == "create_token" else {"name": row.name, "revoked": False},
-        after={"name": row.name, "revoked": action == "revoke_token"},
+        target=f"token:{token_id}",
+        before=None if action == "create_token" else {"name": name, "revoked": False},
+        after={"name": name, "revoked": action == "revoke_token"},
     )
 
 
-def create_viewer_token(session: Session, *, actor: str, name: str) -> dict[str, Any]:
+def create_viewer_token(conn: Connection, *, actor: str, name: str) -> dict[str, Any]:
     token = "orv_" + secrets.token_urlsafe(32)
-    row = ViewerToken(name=name, token_hash=hash_token(token))
-    session.add(row)
-    session.flush()
-    _audit_token(session, actor=actor, action="create_token", row=row)
-    return {"id": row.id, "name": name, "token": token}
+    token_id = repo.insert_viewer_token(conn, name=name, token_hash=hash_token(token))
+    _audit_token(conn, actor=actor, action="create_token", token_id=token_id, name=name)
+    return {"id": token_id, "name": name, "token": token}
 
 
-def list_viewer_tokens(session: Session) -> list[dict[str, Any]]:
+def list_viewer_tokens(conn: Connection) -> list[dict[str, Any]]:
     return [
         {
             "id": t.id,
@@ -445,39 +485,62 @@ def list_viewer_tokens(session: Session) -> list[dict[str, Any]]:
             "created_at": t.created_at.isoformat(),
             "revoked": t.revoked_at is not None,
         }
-        for t in repo.list_viewer_tokens(session)
+        for t in repo.list_viewer_tokens(conn)
     ]
 
 
-def revoke_viewer_token(session: Session, *, actor: str, token_id: int) -> None:
+def revoke_viewer_token(conn: Connection, *, actor: str, token_id: int) -> None:
     """Idempotent: revoking a revoked token changes nothing."""
-    row = session.get(ViewerToken, token_id)
+    row = repo.get_viewer_token(conn, token_id)
     if row is None:
         raise NotFound(f"token {token_id} does not exist", field="token_id")
     if row.revoked_at is None:
-        row.revoked_at = datetime.now(UTC)
-        _audit_token(session, actor=actor, action="revoke_token", row=row)
-        session.flush()
+        repo.revoke_viewer_token(conn, token_id)
+        _audit_token(conn, actor=actor, action="revoke_token", token_id=token_id, name=row.name)
 
 
-def viewer_token_name(session: Session, *, token: str) -> str | None:
-    row = repo.find_viewer_token(session, hash_token(token))
-    return None if row is None else row.name
+def viewer_token_name(conn: Connection, *, token: str) -> str | None:
+    return repo.find_viewer_token(conn, hash_token(token))
 
 
-def list_engines(session: Session, *, timeout_s: float) -> dict[str, Any]:
+# ---- engines ---------------------------------------------------------------
+
+
+def list_engines(conn: Connection, *, timeout_s: float) -> dict[str, Any]:
     now = datetime.now(UTC)
-    items = []
-    for e in repo.list_engines(session):
-        last_seen = e.last_seen if e.last_seen.tzinfo else e.last_seen.replace(tzinfo=UTC)
-        items.append(
-            {
-                "engine_id": e.engine_id,
-                "model": e.model,
-                "applied_version": e.applied_version,
-                "connected": e.connected and (now - last_seen).total_seconds() <= timeout_s,
-                "last_seen": last_seen.isoformat(),
-                "first_seen": e.first_seen.isoformat(),
-            }
-        )
-    return {"version": current_version(session), "items": items}
+    items = [
+        {
+            "engine_id": e.engine_id,
+            "model": e.model,
+            "applied_version": e.applied_version,
+            "connected": e.connected and (now - e.last_seen).total_seconds() <= timeout_s,
+            "last_seen": e.last_seen.isoformat(),
+            "first_seen": e.first_seen.isoformat(),
+        }
+        for e in repo.list_engines(conn)
+    ]
+    return {"version": current_version(conn), "items": items}
+
+
+def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
+    """Engines that are connected now, as last seen (one row per engine_id)."""
+    now = datetime.now(UTC)
+    known = repo.engine_ids(conn, [e.engine_id for e in seen])
+    rows = [
+        {
+            "engine_id": e.engine_id,
+            "model": e.model,
+            "applied_version": e.applied_version,
+            "connected": True,
+            "first_seen": e.first_seen,
+            "last_seen": now,
+        }
+        for e in seen
+    ]
+    repo.insert_engines(conn, [r for r in rows if r["engine_id"] not in known])
+    repo.update_engines(conn, [r for r in rows if r["engine_id"] in known])
+
+
+def disconnect_engines(conn: Connection, *, engine_ids: Sequence[str] | None) -> None:
+    """Mark these engines (None: every engine) disconnected."""
+    repo.set_engines_disconnected(conn, engine_ids)

@@ -26,11 +26,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import zmq
-from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import services
-from control_plane.db import begin_write
-from control_plane.models import Engine
+from control_plane.db import Database
 from control_plane.push.usage import UsageBook
 from engine_ext import protocol as p
 from engine_ext.zmq_util import make_socket
@@ -72,7 +70,7 @@ class PushServer:
         self,
         *,
         endpoint: str,
-        session_factory: sessionmaker[Session],
+        db: Database,
         secret_key: str | None = None,
         client_public_keys: Iterable[str] | None = None,
         engine_timeout_s: float = 5.0,
@@ -80,7 +78,7 @@ class PushServer:
         poll_interval_s: float = 1.0,
     ) -> None:
         self.endpoint = endpoint
-        self._session_factory = session_factory
+        self._db = db
         self._secret_key = secret_key
         self._client_keys = None if client_public_keys is None else list(client_public_keys)
         self._engine_timeout_s = engine_timeout_s
@@ -120,12 +118,12 @@ class PushServer:
             )
         server = cls(
             endpoint=settings.zmq_endpoint,
-            session_factory=app.state.session_factory,
+            db=app.state.db,
             secret_key=secret,
             client_public_keys=client_keys or None,
             engine_timeout_s=settings.engine_timeout_s,
         )
-        app.state.on_commit.append(server.notify)
+        app.state.db.on_commit.append(server.notify)
         app.state.usage_source = server.usage
         registry = getattr(app.state, "metrics_registry", None)
         if registry is not None:
@@ -286,15 +284,10 @@ class PushServer:
         self._dirty.add(identity)
 
     def _snapshot_frame(self) -> tuple[int, bytes]:
-        with self._session_factory() as session:
-            if session.get_bind().dialect.name == "postgresql":
-                # One consistent view of version, tiers and users.
-                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-            version = services.current_version(session)
-            cached = self._snapshot_cache
-            if cached is not None and cached[0] == version:
-                return cached
-            snap = services.load_snapshot(session)
+        cached = self._snapshot_cache
+        if cached is not None and cached[0] == self._db.read_now(services.current_version):
+            return cached
+        snap = self._db.read_now(services.load_snapshot)
         message = p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users)
         self._snapshot_cache = (snap.version, p.encode(message))
         return self._snapshot_cache
@@ -309,8 +302,7 @@ class PushServer:
         if not self.peers:
             return
         oldest = min(peer.sent_version for peer in self.peers.values())
-        with self._session_factory() as session:
-            changes = services.load_changes_since(session, oldest)
+        changes = self._db.read_now(services.load_changes_since, oldest)
         if not changes:
             return
         frames: dict[int, bytes] = {}
@@ -350,34 +342,22 @@ class PushServer:
     # ---- engine status in the database ------------------------------------
 
     def _flush_status(self) -> None:
-        now = datetime.now(UTC)
-        with self._session_factory() as session:
-            begin_write(session)
-            for identity in self._dirty:
-                peer = self.peers.get(identity)
-                if peer is None:
-                    continue
-                row = session.get(Engine, peer.engine_id)
-                if row is None:
-                    row = Engine(engine_id=peer.engine_id, first_seen=peer.first_seen)
-                    session.add(row)
-                row.model = peer.model or row.model or ""
-                row.applied_version = peer.applied_version
-                row.connected = True
-                row.last_seen = now
-            session.commit()
+        # One row per engine_id: the last peer seen under an id wins.
+        seen = {
+            peer.engine_id: services.EngineSeen(
+                engine_id=peer.engine_id,
+                model=peer.model,
+                applied_version=peer.applied_version,
+                first_seen=peer.first_seen,
+            )
+            for peer in (self.peers.get(identity) for identity in self._dirty)
+            if peer is not None
+        }
+        self._db.write_now(services.record_engines, seen=list(seen.values()))
         self._dirty.clear()
 
     def _set_disconnected(self, engine_id: str) -> None:
-        with self._session_factory() as session:
-            begin_write(session)
-            row = session.get(Engine, engine_id)
-            if row is not None:
-                row.connected = False
-            session.commit()
+        self._db.write_now(services.disconnect_engines, engine_ids=[engine_id])
 
     def _mark_all_disconnected(self) -> None:
-        with self._session_factory() as session:
-            begin_write(session)
-            session.query(Engine).update({Engine.connected: False})
-            session.commit()
+        self._db.write_now(services.disconnect_engines, engine_ids=None)

@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection
 
-from control_plane import repository as repo
 from control_plane import services
 from engine_ext import protocol as p
 
@@ -95,23 +94,19 @@ class UsageBook:
             for user, n in report.granted.items():
                 into[user] = into.get(user, 0.0) + n / covered
 
-    def usage_items(self, session: Session) -> list[dict[str, Any]]:
+    def usage_items(self, conn: Connection) -> list[dict[str, Any]]:
         """GET /usage rows: per user, tokens/s over the last 1 s and 10 s, the limit and
         the fraction of request-steps that were throttled."""
         totals = self.totals()
         if not totals:
             return []
-        state = repo.get_config(session)
-        tier_rates = {t.name: t.rate for t in repo.list_tiers(session)}
-        rows = repo.get_users(session, [u.user for u in totals])
+        limits = services.effective_rates(conn, [u.user for u in totals])
         return [
             {
                 "user": u.user,
                 "output_tokens_per_second_1s": round(u.tokens_per_s_1s, 3),
                 "output_tokens_per_second_10s": round(u.tokens_per_s_10s, 3),
-                "limit": services.limit_view(
-                    user=u.user, row=rows.get(u.user), tier_rates=tier_rates, state=state
-                )["effective_output_tokens_per_second"],
+                "limit": limits[u.user],
                 "throttled_fraction": round(u.throttled_fraction, 4),
             }
             for u in totals
