@@ -36,7 +36,7 @@ import zmq
 
 from control_plane import services
 from control_plane.cli import upgrade
-from control_plane.db import make_engine, make_session_factory
+from control_plane.db import Database, make_engine
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
 from tests.e2e.servers import free_port
@@ -103,19 +103,15 @@ class BenchEngine:
 
 def seed_users(db_url: str, num_users: int) -> None:
     engine = make_engine(db_url)
-    factory = make_session_factory(engine)
-    with factory() as session:
-        services.put_tier(session, actor="bench", name="free", rate=20, description=None)
-        session.commit()
+    db = Database(engine)
+    db.write_now(services.put_tier, actor="bench", name="free", rate=20, description=None)
     step = services.MAX_BULK_ITEMS
     for start in range(0, num_users, step):
         items = [
             (f"user-{i:07d}", None if i % 3 else i % 1000 + 1, "free" if i % 2 else None)
             for i in range(start, min(num_users, start + step))
         ]
-        with factory() as session:
-            services.bulk_put_limits(session, actor="bench", items=items)
-            session.commit()
+        db.write_now(services.bulk_put_limits, actor="bench", items=items)
     engine.dispose()
 
 

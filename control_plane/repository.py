@@ -179,7 +179,7 @@ def list_tiers(conn: Connection) -> list[TierRow]:
 
 
 def tier_rates(conn: Connection) -> dict[str, int | None]:
-    return dict(conn.execute(select(tiers.c.name, tiers.c.rate)).tuples().all())
+    return {name: rate for name, rate in conn.execute(select(tiers.c.name, tiers.c.rate))}
 
 
 def insert_tier(

@@ -48,11 +48,9 @@ def test_replaying_the_change_log_gives_the_snapshot(client: TestClient) -> None
     client.delete("/tiers/old")
     client.put("/tiers/gold", json={"output_tokens_per_second": None})
     client.put("/default-limit", json={"output_tokens_per_second": None})
-    factory = client.app.state.session_factory  # type: ignore[attr-defined]
-    with factory() as session:
-        snapshot = services.load_snapshot(session)
-    with factory() as session:
-        changes = services.load_changes_since(session, 0)
+    db = client.app.state.db  # type: ignore[attr-defined]
+    snapshot = db.read_now(services.load_snapshot)
+    changes = db.read_now(services.load_changes_since, 0)
     assert [v for v, _ in changes] == list(range(1, snapshot.version + 1))
     assert snapshot.version == 10
     assert replay(changes) == snapshot
@@ -60,5 +58,4 @@ def test_replaying_the_change_log_gives_the_snapshot(client: TestClient) -> None
     assert snapshot.users["u3"] == ("gold", None)
     bulk = changes[5][1]
     assert len(bulk) == 5 and {op["op"] for op in bulk} == {"set_user"}
-    with factory() as session:
-        assert services.load_changes_since(session, 9) == changes[9:]
+    assert db.read_now(services.load_changes_since, 9) == changes[9:]

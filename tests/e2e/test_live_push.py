@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from control_plane import services
-from control_plane.db import begin_write, make_engine, make_session_factory
+from control_plane.db import Database, make_engine
 from tests.e2e.client import StreamResult, run, stream_completion, user_rate
 from tests.e2e.servers import ControlPlane, VllmServer, free_port
 
@@ -111,11 +111,9 @@ def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) ->
     assert 0.95 * 30 <= rate_of(stream(stack.engine.url, "user-a", 60)) <= 30 * 1.3
     # A change made while the engines are cut off from it (written to the database).
     engine = make_engine(cp.db_url)
-    with make_session_factory(engine)() as session:
-        begin_write(session)
-        services.put_limit(session, actor="test", user="user-a", rate=60, tier=None)
-        session.commit()
-        version = services.current_version(session)
+    db = Database(engine)
+    db.write_now(services.put_limit, actor="test", user="user-a", rate=60, tier=None)
+    version = db.read_now(services.current_version)
     engine.dispose()
     stack.control_plane = cp = stack.start_control_plane()
     cp.wait_applied(version)

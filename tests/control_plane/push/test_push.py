@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import zmq
-from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import services
-from control_plane.db import make_engine, make_session_factory
+from control_plane.db import Database, make_engine
 from control_plane.push.server import PushServer
 from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
@@ -28,28 +27,22 @@ WAIT_S = 20.0
 
 
 @pytest.fixture
-def session_factory(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[sessionmaker[Session]]:
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     # SQLite unless a test asks for more (indirect parametrization).
     with fresh_database(getattr(request, "param", "sqlite"), tmp_path) as url:
-        engine = make_engine(url)
-        yield make_session_factory(engine)
-        engine.dispose()
+        database = Database(make_engine(url))
+        yield database
+        database.dispose()
 
 
-def write(factory: sessionmaker[Session], server: PushServer | None, fn: Callable, **kw) -> None:
-    with factory() as session:
-        fn(session, actor="test", **kw)
-        session.commit()
-        version = services.current_version(session)
+def write(db: Database, server: PushServer | None, fn: Callable, **kw) -> None:
+    db.write_now(fn, actor="test", **kw)
     if server is not None:
-        server.notify(version)
+        server.notify(db.read_now(services.current_version))
 
 
-def expected(factory: sessionmaker[Session]) -> tuple[int, int | None, dict[str, int | None]]:
-    with factory() as session:
-        snap = services.load_snapshot(session)
+def expected(db: Database) -> tuple[int, int | None, dict[str, int | None]]:
+    snap = db.read_now(services.load_snapshot)
     limiter = OutputRateLimiter(None)
     LimitTable().load(p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users), limiter)
     return snap.version, limiter.default_rate, limiter.user_rates()
@@ -80,9 +73,9 @@ class Engine:
         return self.client.applied_version, self.limiter.default_rate, self.limiter.user_rates()
 
 
-def converge(engines: list[Engine], factory: sessionmaker[Session], timeout_s: float = WAIT_S):
+def converge(engines: list[Engine], db: Database, timeout_s: float = WAIT_S):
     deadline = time.monotonic() + timeout_s
-    want = expected(factory)
+    want = expected(db)
     while time.monotonic() < deadline:
         if all(e.state() == want for e in engines):
             return want
@@ -91,39 +84,38 @@ def converge(engines: list[Engine], factory: sessionmaker[Session], timeout_s: f
 
 
 @pytest.fixture
-def server(session_factory: sessionmaker[Session]) -> Iterator[PushServer]:
-    srv = PushServer(endpoint="tcp://127.0.0.1:0", session_factory=session_factory)
+def server(db: Database) -> Iterator[PushServer]:
+    srv = PushServer(endpoint="tcp://127.0.0.1:0", db=db)
     srv.start()
     yield srv
     srv.close()
 
 
-def seed(factory: sessionmaker[Session]) -> None:
-    write(factory, None, services.put_tier, name="free", rate=20, description=None)
-    write(factory, None, services.put_default, rate=50)
-    write(factory, None, services.put_limit, user="a", rate=None, tier="free")
-    write(factory, None, services.put_limit, user="b", rate=7, tier="free")
+def seed(db: Database) -> None:
+    write(db, None, services.put_tier, name="free", rate=20, description=None)
+    write(db, None, services.put_default, rate=50)
+    write(db, None, services.put_limit, user="a", rate=None, tier="free")
+    write(db, None, services.put_limit, user="b", rate=7, tier="free")
 
 
 @pytest.mark.parametrize(
-    "session_factory",
+    "db",
     ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
     indirect=True,
 )
-def test_snapshot_then_deltas_then_acks(session_factory, server: PushServer) -> None:
-    seed(session_factory)
+def test_snapshot_then_deltas_then_acks(db, server: PushServer) -> None:
+    seed(db)
     engine = Engine(server.endpoint, "e1")
     try:
-        version, default, rates = converge([engine], session_factory)
+        version, default, rates = converge([engine], db)
         assert (default, rates) == (50, {"a": 20, "b": 7})
-        write(session_factory, server, services.put_tier, name="free", rate=99, description=None)
-        version, _, rates = converge([engine], session_factory)
+        write(db, server, services.put_tier, name="free", rate=99, description=None)
+        version, _, rates = converge([engine], db)
         assert rates == {"a": 99, "b": 7}
         assert engine.limiter.rate_of("nobody") == 50
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            with session_factory() as session:
-                engines = services.list_engines(session, timeout_s=5)["items"]
+            engines = db.read_now(services.list_engines, timeout_s=5)["items"]
             if engines and engines[0]["applied_version"] == version:
                 break
             time.sleep(0.05)
@@ -155,19 +147,17 @@ class FaultyServer(PushServer):
             super()._send(router, *self.held.pop())
 
 
-def test_dropped_and_reordered_deltas_resync_to_the_database(session_factory) -> None:
-    server = FaultyServer(endpoint="tcp://127.0.0.1:0", session_factory=session_factory)
+def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
+    server = FaultyServer(endpoint="tcp://127.0.0.1:0", db=db)
     server.start()
     engine = Engine(server.endpoint, "e1")
     try:
-        converge([engine], session_factory)
+        converge([engine], db)
         for i in range(60):
-            write(
-                session_factory, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None
-            )
+            write(db, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)
             engine.state()
         assert server.num_faults > 0
-        converge([engine], session_factory)
+        converge([engine], db)
         assert engine.client.num_resyncs > 0
     finally:
         engine.client.close()
@@ -175,17 +165,15 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(session_factory) ->
 
 
 @pytest.mark.parametrize(
-    "session_factory",
+    "db",
     ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
     indirect=True,
 )
-def test_twenty_engines_converge_after_a_burst_of_1000_changes(
-    session_factory, server: PushServer
-) -> None:
-    seed(session_factory)
+def test_twenty_engines_converge_after_a_burst_of_1000_changes(db, server: PushServer) -> None:
+    seed(db)
     engines = [Engine(server.endpoint, f"e{i}") for i in range(20)]
     try:
-        converge(engines, session_factory)
+        converge(engines, db)
         rng = random.Random(1)
         for _ in range(1000):
             kind = rng.random()
@@ -193,7 +181,7 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(
                 tier = rng.choice([None, "free"])
                 rate = rng.choice([None, rng.randint(1, 1000)])
                 write(
-                    session_factory,
+                    db,
                     server,
                     services.put_limit,
                     user=f"u{rng.randrange(200)}",
@@ -201,10 +189,10 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(
                     tier=tier,
                 )
             elif kind < 0.75:
-                write(session_factory, server, services.delete_limit, user=f"u{rng.randrange(200)}")
+                write(db, server, services.delete_limit, user=f"u{rng.randrange(200)}")
             elif kind < 0.85:
                 write(
-                    session_factory,
+                    db,
                     server,
                     services.put_tier,
                     name="free",
@@ -213,31 +201,29 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(
                 )
             else:
                 write(
-                    session_factory,
+                    db,
                     server,
                     services.put_default,
                     rate=rng.choice([None, rng.randint(1, 100)]),
                 )
-        version, _, _ = converge(engines, session_factory, timeout_s=60)
+        version, _, _ = converge(engines, db, timeout_s=60)
         assert version > 900
     finally:
         for e in engines:
             e.client.close()
 
 
-def test_wrong_server_key_gets_nothing(session_factory) -> None:
+def test_wrong_server_key_gets_nothing(db) -> None:
     public, secret = zmq.curve_keypair()
     wrong_public, _ = zmq.curve_keypair()
-    server = PushServer(
-        endpoint="tcp://127.0.0.1:0", session_factory=session_factory, secret_key=secret.decode()
-    )
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db, secret_key=secret.decode())
     server.start()
-    seed(session_factory)
+    seed(db)
     good = Engine(server.endpoint, "good", public.decode())
     bad = Engine(server.endpoint, "bad", wrong_public.decode())
     plain = Engine(server.endpoint, "plain", None)
     try:
-        converge([good], session_factory)
+        converge([good], db)
         time.sleep(1.0)
         for engine in (bad, plain):
             assert engine.state() == (0, None, {})
@@ -248,10 +234,8 @@ def test_wrong_server_key_gets_nothing(session_factory) -> None:
         server.close()
 
 
-def test_garbage_and_oversized_frames_are_dropped_and_counted(
-    session_factory, server: PushServer
-) -> None:
-    seed(session_factory)
+def test_garbage_and_oversized_frames_are_dropped_and_counted(db, server: PushServer) -> None:
+    seed(db)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -274,9 +258,9 @@ def test_garbage_and_oversized_frames_are_dropped_and_counted(
         while server.num_dropped < len(garbage) + 1:
             assert time.monotonic() < deadline, server.num_dropped
             time.sleep(0.02)
-        converge([engine], session_factory)
-        write(session_factory, server, services.put_default, rate=9)
-        assert converge([engine], session_factory)[1] == 9
+        converge([engine], db)
+        write(db, server, services.put_default, rate=9)
+        assert converge([engine], db)[1] == 9
         assert {peer.engine_id for peer in server.peers.values()} == {"e1"}
     finally:
         engine.client.close()
@@ -284,25 +268,25 @@ def test_garbage_and_oversized_frames_are_dropped_and_counted(
         context.term()
 
 
-def test_only_listed_engine_keys_are_admitted(session_factory) -> None:
+def test_only_listed_engine_keys_are_admitted(db) -> None:
     server_public, server_secret = zmq.curve_keypair()
     allowed_public, allowed_secret = zmq.curve_keypair()
     _, stranger_secret = zmq.curve_keypair()
     server = PushServer(
         endpoint="tcp://127.0.0.1:0",
-        session_factory=session_factory,
+        db=db,
         secret_key=server_secret.decode(),
         client_public_keys=[allowed_public.decode()],
     )
     server.start()
-    seed(session_factory)
+    seed(db)
     key = server_public.decode()
     good = Engine(server.endpoint, "good", key, allowed_secret.decode())
     stranger = Engine(server.endpoint, "stranger", key, stranger_secret.decode())
     try:
-        converge([good], session_factory)
-        write(session_factory, server, services.put_default, rate=3)
-        converge([good], session_factory)
+        converge([good], db)
+        write(db, server, services.put_default, rate=3)
+        converge([good], db)
         time.sleep(1.0)
         assert stranger.state() == (0, None, {})
         assert not stranger.client.has_snapshot
@@ -363,4 +347,4 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
         finally:
             engine.client.close()
             server.close()
-            app.state.db_engine.dispose()
+            app.state.db.dispose()

@@ -25,7 +25,7 @@ import zmq
 
 from control_plane import services
 from control_plane.cli import upgrade
-from control_plane.db import make_engine, make_session_factory
+from control_plane.db import Database, make_engine
 from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import LimitTable, PushClient
@@ -99,8 +99,7 @@ class ControlPlane:
         """The database's limits, flattened the way engines flatten them."""
         engine = make_engine(self.db_url)
         try:
-            with make_session_factory(engine)() as session:
-                snap = services.load_snapshot(session)
+            snap = Database(engine).read_now(services.load_snapshot)
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)
@@ -113,10 +112,13 @@ class ControlPlane:
         script on the database): engines must pick it up once it is back."""
         engine = make_engine(self.db_url)
         try:
-            with make_session_factory(engine)() as session:
-                services.put_limit(session, actor="script", user="offline", rate=11, tier=None)
-                services.put_tier(session, actor="script", name="free", rate=33, description=None)
-                session.commit()
+            offline = Database(engine)
+            offline.write_now(
+                services.put_limit, actor="script", user="offline", rate=11, tier=None
+            )
+            offline.write_now(
+                services.put_tier, actor="script", name="free", rate=33, description=None
+            )
         finally:
             engine.dispose()
 
@@ -218,12 +220,10 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
     db_url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(db_url)
     db = make_engine(db_url)
-    factory = make_session_factory(db)
-    with factory() as session:
-        services.put_default(session, actor="t", rate=40)
-        services.put_limit(session, actor="t", user="a", rate=7, tier=None)
-        session.commit()
-    server = PushServer(endpoint="tcp://127.0.0.1:0", session_factory=factory)
+    database = Database(db)
+    database.write_now(services.put_default, actor="t", rate=40)
+    database.write_now(services.put_limit, actor="t", user="a", rate=7, tier=None)
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=database)
     server.start()
     # The seam: the flags' config plus the endpoint, as --control-plane-endpoint gives it.
     from_flags = OutputRateConfig.from_vllm_config.__func__  # type: ignore[attr-defined]
@@ -243,10 +243,8 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
         limiter = scheduler.output_rate_limiter  # type: ignore[attr-defined]
         # Construction waited for the snapshot: the flags' limits are replaced before any step.
         assert (limiter.default_rate, limiter.user_rates()) == (40, {"a": 7})
-        with factory() as session:
-            services.put_limit(session, actor="t", user="b", rate=3, tier=None)
-            session.commit()
-            version = services.current_version(session)
+        database.write_now(services.put_limit, actor="t", user="b", rate=3, tier=None)
+        version = database.read_now(services.current_version)
         server.notify(version)
         client = scheduler.push_client  # type: ignore[attr-defined]
         deadline = time.monotonic() + WAIT_S
