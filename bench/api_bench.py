@@ -4,8 +4,8 @@ For SQLite and PostgreSQL: start `output-rate serve` on a fresh database, drive 
 /limits/{user} and GET /limits/{user} with N concurrent connections for a fixed time, then
 load 1,000,000 users straight into the table (and the counters) and time GET /limits pages.
 
-    .venv/bin/python bench/api_bench.py                # both databases, writes the report
-    .venv/bin/python bench/api_bench.py --db sqlite --seconds 5 --out -
+    .venv/bin/python -m bench.api_bench                # both databases, writes the report
+    .venv/bin/python -m bench.api_bench --db sqlite --seconds 5 --out -
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "api.md"))
     args = parser.parse_args()
     kinds = ["sqlite", "postgres"] if args.db == "both" else [args.db]
-    command = "python bench/api_bench.py " + " ".join(sys.argv[1:])
+    command = "python -m bench.api_bench " + " ".join(sys.argv[1:])
     report = [
         "# Admin API benchmark",
         "",
