@@ -210,8 +210,10 @@ def load_users(db_url: str) -> float:
 PAGES = [
     ("first page", "/limits?limit=100"),
     ("deep page (offset 900,000)", "/limits?offset=900000&limit=100"),
+    ("deep page by cursor (after=user-0899999)", "/limits?after=user-0899999&limit=100"),
     ("tier filter", "/limits?tier=gold&limit=100"),
     ("tier filter, deep (offset 400,000)", "/limits?tier=gold&offset=400000&limit=100"),
+    ("tier filter, deep by cursor", "/limits?tier=gold&after=user-0799998&limit=100"),
     ("prefix q=user-01234 (100 matches)", "/limits?q=user-01234&limit=100"),
     ("prefix q=user-0 (1,000,000 matches)", "/limits?q=user-0&limit=100"),
 ]

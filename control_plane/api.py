@@ -62,8 +62,19 @@ async def list_limits(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     tier: Annotated[str | None, Query(pattern=TIER_NAME_PATTERN)] = None,
     q: Annotated[str | None, Query(max_length=256, pattern=USER_ID_PATTERN)] = None,
+    after: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            pattern=USER_ID_PATTERN,
+            description="Cursor: only users after this id (the last id of the previous "
+            "page). Fast at any depth, unlike a large offset.",
+        ),
+    ] = None,
 ) -> dict[str, Any]:
-    return await db.scan(services.list_limits, offset=offset, limit=limit, tier=tier, prefix=q)
+    return await db.scan(
+        services.list_limits, offset=offset, limit=limit, tier=tier, prefix=q, after=after
+    )
 
 
 @router.post("/limits:bulk", response_model=BulkOut)

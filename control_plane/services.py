@@ -111,10 +111,18 @@ def get_limit(conn: Connection, *, user: str) -> dict[str, Any]:
 
 
 def list_limits(
-    conn: Connection, *, offset: int, limit: int, tier: str | None, prefix: str | None
+    conn: Connection,
+    *,
+    offset: int,
+    limit: int,
+    tier: str | None,
+    prefix: str | None,
+    after: str | None = None,
 ) -> dict[str, Any]:
+    """A page of configured users in user-id order. `total` counts every user that
+    matches `tier` and `prefix` (the cursor `after` and `offset` only move the page)."""
     state = repo.get_config(conn)
-    rows = repo.list_users(conn, offset=offset, limit=limit, tier=tier, prefix=prefix)
+    rows = repo.list_users(conn, offset=offset, limit=limit, tier=tier, prefix=prefix, after=after)
     # Totals come from maintained counters; only a prefix filter needs an index range count.
     if prefix:
         total = repo.count_users(conn, tier=tier, prefix=prefix)

@@ -98,12 +98,25 @@ async function loadTiers() {
   }
 }
 
+const USERS_PER_PAGE = 100;
+// The cursor of each page walked through ("after" this user id); "" is the first page.
+// Cursor paging stays fast with a million users, where a deep offset would not.
+let userCursors = [""];
+
 async function loadUsers() {
   const q = $("#search").value.trim();
-  const params = new URLSearchParams({ limit: "100" });
+  const params = new URLSearchParams({ limit: String(USERS_PER_PAGE) });
   if (q) params.set("q", q);
+  const after = userCursors[userCursors.length - 1];
+  if (after) params.set("after", after);
   const { items, total } = await api("GET", `/limits?${params}`);
-  $("#users-total").textContent = `${total} configured user${total === 1 ? "" : "s"}`;
+  const first = (userCursors.length - 1) * USERS_PER_PAGE;
+  const shown = items.length ? ` (showing ${first + 1}–${first + items.length})` : "";
+  $("#users-total").textContent = `${total} configured user${total === 1 ? "" : "s"}${shown}`;
+  $("#users-prev").disabled = userCursors.length === 1;
+  const next = $("#users-next");
+  next.disabled = items.length < USERS_PER_PAGE;
+  next.dataset.after = items.length ? items[items.length - 1].user : "";
   const body = $("#users tbody");
   body.replaceChildren();
   for (const user of items) {
@@ -248,6 +261,15 @@ function wireForms() {
   });
   $("#search-form").addEventListener("submit", (event) => {
     event.preventDefault();
+    userCursors = [""];
+    guarded(loadUsers);
+  });
+  $("#users-next").addEventListener("click", () => {
+    userCursors.push($("#users-next").dataset.after);
+    guarded(loadUsers);
+  });
+  $("#users-prev").addEventListener("click", () => {
+    if (userCursors.length > 1) userCursors.pop();
     guarded(loadUsers);
   });
 }

@@ -108,6 +108,34 @@ def test_pagination_and_filters(client: TestClient) -> None:
     assert [i["user"] for i in client.get("/limits?tier=pro").json()["items"]] == ["alice-1", "bob"]
 
 
+def test_cursor_pages_cover_every_user_once_in_order(client: TestClient) -> None:
+    client.put("/tiers/pro", json={"output_tokens_per_second": 100})
+    users = sorted(f"u-{i:02d}" for i in range(23))
+    body = {"items": [{"user": u, "tier": "pro" if i % 2 else None} for i, u in enumerate(users)]}
+    assert client.post("/limits:bulk", json=body).status_code == 200
+
+    def walk(query: str) -> tuple[list[str], set[int]]:
+        seen: list[str] = []
+        totals: set[int] = set()
+        after = ""
+        while True:
+            page = client.get(f"/limits?limit=5{query}{after}").json()
+            totals.add(page["total"])
+            seen += [item["user"] for item in page["items"]]
+            if len(page["items"]) < 5:
+                return seen, totals
+            after = f"&after={seen[-1]}"
+
+    assert walk("") == (users, {23})
+    assert walk("&tier=pro") == (users[1::2], {11})
+    assert walk("&q=u-1") == ([u for u in users if u.startswith("u-1")], {10})
+    # An id that is not configured is still a valid position.
+    page = client.get("/limits?after=u-10a&limit=2").json()
+    assert [i["user"] for i in page["items"]] == ["u-11", "u-12"]
+    response = client.get("/limits?after=a%00b")
+    assert response.status_code == 422 and response.json()["field"] == "after"
+
+
 def test_bulk_is_atomic_and_one_version(client: TestClient) -> None:
     client.put("/tiers/pro", json={"output_tokens_per_second": 100})
     items = [{"user": f"bulk-{i}", "output_tokens_per_second": i + 1} for i in range(500)]

@@ -103,6 +103,39 @@ def test_tiers_users_and_default_are_managed_from_the_ui(page: Page, served: Con
     expect(page.locator('#tiers tr[data-tier="gold"]')).to_have_count(0)
 
 
+def test_users_are_paged_with_a_cursor(page: Page, served: ControlPlane) -> None:
+    users = [f"page-{i:03d}" for i in range(250)]
+    response = httpx.post(
+        f"{served.url}/limits:bulk",
+        json={"items": [{"user": u, "output_tokens_per_second": 5} for u in users]},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert response.status_code == 200
+    page.fill("#search", "page-")
+    page.click("#search-form button[type=submit]")
+    rows = page.locator("#users tbody tr")
+    total = page.locator("#users-total")
+    expect(total).to_contain_text("250 configured users (showing 1–100)")
+    expect(rows).to_have_count(100)
+    expect(page.locator("#users-prev")).to_be_disabled()
+
+    page.click("#users-next")
+    expect(total).to_contain_text("(showing 101–200)")
+    expect(rows.first).to_have_attribute("data-user", "page-100")
+    page.click("#users-next")
+    expect(total).to_contain_text("(showing 201–250)")
+    expect(rows).to_have_count(50)
+    expect(rows.last).to_have_attribute("data-user", "page-249")
+    expect(page.locator("#users-next")).to_be_disabled()
+
+    page.click("#users-prev")
+    expect(total).to_contain_text("(showing 101–200)")
+    expect(rows.first).to_have_attribute("data-user", "page-100")
+    # A new search starts again from the first page.
+    page.click("#search-form button[type=submit]")
+    expect(rows.first).to_have_attribute("data-user", "page-000")
+
+
 def test_engines_and_live_usage_from_a_real_protocol_peer(page: Page, served: ControlPlane) -> None:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
