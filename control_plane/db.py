@@ -14,12 +14,13 @@ writer may wait for another writer and the loop must never wait.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import anyio
 import anyio.to_thread
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine import Engine
@@ -83,10 +84,10 @@ class Database:
         self.engine = engine
         self.on_commit: list[Callable[[int], None]] = []
         self._reads_inline = engine.dialect.name == "sqlite"
-        # Writers queue here, on the event loop, before they take a worker thread:
-        # waiting for the database's lock inside the threadpool could block every
-        # worker thread while the holder waits for one to commit.
-        self._write_lock = anyio.Lock()
+        # One thread runs every request's write: writers serialize on the database's
+        # lock anyway, so they queue here instead of parking worker threads on it,
+        # and a one-thread executor is the cheapest hop off the loop.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="output-rate-writer")
 
     def read_now(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
@@ -119,8 +120,8 @@ class Database:
     async def write(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
     ) -> T:
-        async with self._write_lock:
-            return await anyio.to_thread.run_sync(partial(self.write_now, fn, *a, **kw))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer, partial(self.write_now, fn, *a, **kw))
 
     def _write(self, work: Callable[[Connection], T]) -> tuple[T, int | None]:
         with self.engine.connect().execution_options(**{WRITE_OPTION: True}) as conn:
@@ -140,4 +141,5 @@ class Database:
                 logger.exception("on_commit hook %r failed for version %d", hook, version)
 
     def dispose(self) -> None:
+        self._writer.shutdown(wait=True)
         self.engine.dispose()
