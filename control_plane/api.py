@@ -162,7 +162,7 @@ async def list_engines(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[
 
 @router.get("/usage", response_model=UsageList)
 async def usage(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, Any]:
-    return {"items": await db.read(request.app.state.usage_source.usage_items)}
+    return {"items": await db.scan(request.app.state.usage_source.usage_items)}
 
 
 @router.get("/audit", response_model=AuditList)
