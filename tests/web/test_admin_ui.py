@@ -21,6 +21,7 @@ from tests.e2e.servers import ControlPlane, free_port
 TOKEN = ControlPlane.TOKEN
 # Generous: the UI polls once a second and CI shares two cores with the server.
 expect.set_options(timeout=15_000)
+DASH = "\u2013"  # the UI writes ranges with an en dash
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -115,21 +116,21 @@ def test_users_are_paged_with_a_cursor(page: Page, served: ControlPlane) -> None
     page.click("#search-form button[type=submit]")
     rows = page.locator("#users tbody tr")
     total = page.locator("#users-total")
-    expect(total).to_contain_text("250 configured users (showing 1–100)")
+    expect(total).to_contain_text(f"250 configured users (showing 1{DASH}100)")
     expect(rows).to_have_count(100)
     expect(page.locator("#users-prev")).to_be_disabled()
 
     page.click("#users-next")
-    expect(total).to_contain_text("(showing 101–200)")
+    expect(total).to_contain_text(f"(showing 101{DASH}200)")
     expect(rows.first).to_have_attribute("data-user", "page-100")
     page.click("#users-next")
-    expect(total).to_contain_text("(showing 201–250)")
+    expect(total).to_contain_text(f"(showing 201{DASH}250)")
     expect(rows).to_have_count(50)
     expect(rows.last).to_have_attribute("data-user", "page-249")
     expect(page.locator("#users-next")).to_be_disabled()
 
     page.click("#users-prev")
-    expect(total).to_contain_text("(showing 101–200)")
+    expect(total).to_contain_text(f"(showing 101{DASH}200)")
     expect(rows.first).to_have_attribute("data-user", "page-100")
     # A new search starts again from the first page.
     page.click("#search-form button[type=submit]")
