@@ -261,23 +261,24 @@ def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
 
 
 def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
-    now = datetime.now(UTC)
-    params = [
-        {"user": user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
-        for user, r in records
-    ]
-    if params:
-        conn.execute(_INSERT_USER, params)
+    _write_users(conn, _INSERT_USER, records, user_key="user")
 
 
 def update_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
+    _write_users(conn, _UPDATE_USER, records, user_key="user_id")
+
+
+def _write_users(
+    conn: Connection, statement: Any, records: Iterable[tuple[str, UserRecord]], *, user_key: str
+) -> None:
+    """One executemany; `user_key` is the statement's parameter for the user id."""
     now = datetime.now(UTC)
     params = [
-        {"user_id": user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
+        {user_key: user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
         for user, r in records
     ]
     if params:
-        conn.execute(_UPDATE_USER, params)
+        conn.execute(statement, params)
 
 
 def delete_user(conn: Connection, user: str) -> None:
