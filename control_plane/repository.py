@@ -2,7 +2,7 @@
 
 SQLAlchemy Core on a Connection: the hot statements are built once at import (their
 compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
-costs a fifth of its ORM unit-of-work form (bench/results/api.md).
+costs a fifth of its ORM unit-of-work form (docs/control-plane.md, "How a request runs").
 """
 
 from __future__ import annotations
