@@ -1,45 +1,103 @@
-"""CPU used by an engine whose every request is throttled: patched vs upstream spin.
+"""CPU of an engine whose every request is throttled, and unthrottled throughput.
 
-Both servers run the plugin with a default limit of 1 tok/s; 8 users stream
-at once, so after their first token every request is throttled. CPU time of
-the engine-core process (and of its CPU worker) is read with psutil over the
-same window, for the patched idle wait and for upstream's 1 ms spin, one
-after the other in one run.
+Three servers of the same plugin run in one run, started together, with a
+default limit of 1 tok/s and one unlimited user ``fast``:
 
-Run: .venv/bin/python -m bench.idle_cpu_bench
+- ``patched``: the plugin as shipped (EngineCore idle wait + the worker's
+  short input-reader busy window, engine_ext/worker_spin.py);
+- ``engine wait only``: the worker keeps vLLM's 1 s busy-poll after each read
+  (bench/spin_server.py with ``BENCH_UPSTREAM=worker``);
+- ``upstream``: both idle patches off, i.e. upstream's 1 ms engine loop and
+  1 s worker busy-poll (``BENCH_UPSTREAM=engine,worker``).
+
+Measured:
+
+1. Unthrottled throughput of the ``fast`` user, patched vs engine wait only
+   (the worker patch is the only difference): rounds of 1 stream and of 16
+   concurrent streams, alternating between the two servers (order flipped
+   every round) so machine noise hits both.
+2. All throttled: 8 users stream at once; 3 s later every user has spent its
+   burst and every request is throttled; CPU time of the engine-core and the
+   worker process (psutil) over the next ``--window`` seconds, one server at
+   a time while the others hold no request.
+
+Run: .venv/bin/python -m bench.idle_cpu_bench [--rounds 5] [--window 10] [--out FILE]
 """
 
 from __future__ import annotations
 
-import sys
-import threading
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
+from tests.e2e.client import stream_completion
 from tests.e2e.servers import Process, free_port, vllm_command, vllm_env
 
-WINDOW_S = 10.0
-FLAGS = ("--default-user-output-tokens-per-second", "1", "--max-num-seqs", "16")
+FLAGS = (
+    "--default-user-output-tokens-per-second",
+    "1",
+    "--user-output-tokens-per-second",
+    json.dumps({"fast": None}),
+    "--max-num-seqs",
+    "16",
+)
+# Variant -> patches replaced by upstream behaviour (None: the plain server command).
+VARIANTS: dict[str, str | None] = {
+    "patched": None,
+    "engine wait only": "worker",
+    "upstream": "engine,worker",
+}
+WORKER_PATCH_LOG = "output-rate: worker input reader spins"
+THROTTLED_USERS = 8
+TOKENS = 200
+STREAMS = (1, 16)
 
 
-def start(spin: bool, log: Path) -> tuple[Process, str]:
-    port = free_port()
-    command = vllm_command(port, *FLAGS)
-    if spin:
-        command[1:3] = ["-m", "bench.spin_server"]
-    process = Process(command, log, env=vllm_env())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
+class Server(Process):
+    def __init__(self, upstream: str | None, log: Path) -> None:
+        self.upstream = upstream
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        command = vllm_command(port, *FLAGS)
+        env = vllm_env()
+        if upstream is not None:
+            command[1:3] = ["-m", "bench.spin_server"]
+            env["BENCH_UPSTREAM"] = upstream
+        super().__init__(command, log, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(self.log()[-3000:])
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
             time.sleep(1)
-    raise RuntimeError(process.log()[-3000:])
+        else:
+            raise RuntimeError(self.log()[-3000:])
+        # The variant is what it claims: the worker patch logs from the worker.
+        patched_worker = self.upstream is None or "worker" not in self.upstream
+        if (WORKER_PATCH_LOG in self.log()) != patched_worker:
+            raise RuntimeError(f"worker patch state is not {patched_worker}: {self.log_path}")
+
+    def running(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        )
 
 
 def cpu_by_role(root_pid: int) -> dict[str, float]:
@@ -55,43 +113,119 @@ def cpu_by_role(root_pid: int) -> dict[str, float]:
     return totals
 
 
-def measure(spin: bool) -> dict[str, float]:
-    process, url = start(spin, Path(f"/tmp/idle-{'spin' if spin else 'wait'}.log"))
-    try:
+def throughput(url: str, num_streams: int) -> float:
+    async def main() -> float:
+        async with httpx.AsyncClient(timeout=600) as client:
+            start = time.monotonic()
+            results = await asyncio.gather(
+                *(
+                    stream_completion(client, url, user="fast", max_tokens=TOKENS)
+                    for _ in range(num_streams)
+                )
+            )
+            return sum(r.completion_tokens for r in results) / (time.monotonic() - start)
 
-        def stream(user: str) -> None:
-            body = {
-                "model": "tiny",
-                "prompt": "hello",
-                "max_tokens": 40,
-                "ignore_eos": True,
-                "vllm_xargs": {"output_rate_user": user},
-            }
-            httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    return asyncio.run(main())
 
-        threads = [threading.Thread(target=stream, args=(f"u{i}",)) for i in range(8)]
-        for t in threads:
-            t.start()
-        time.sleep(3.0)  # every user spent its burst: all requests throttled
-        before = cpu_by_role(process.popen.pid)
-        time.sleep(WINDOW_S)
-        after = cpu_by_role(process.popen.pid)
-        return {role: (after[role] - before.get(role, 0.0)) / WINDOW_S * 100 for role in after}
-    finally:
-        process.kill()
+
+def throttled_cpu(server: Server, window_s: float) -> dict[str, float]:
+    """CPU share (% of one core) per process while every request is throttled."""
+
+    async def main() -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            tasks = [
+                asyncio.create_task(
+                    stream_completion(client, server.url, user=f"u{i}", max_tokens=40)
+                )
+                for i in range(THROTTLED_USERS)
+            ]
+            await asyncio.sleep(3.0)  # every user spent its burst: all requests throttled
+            before = cpu_by_role(server.popen.pid)
+            await asyncio.sleep(window_s)
+            after = cpu_by_role(server.popen.pid)
+            for task in tasks:  # closing the streams aborts the requests
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return {role: (after[role] - before.get(role, 0.0)) / window_s * 100 for role in after}
+
+    shares = asyncio.run(main())
+    deadline = time.monotonic() + 60
+    while server.running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return shares
+
+
+def report(
+    tput: dict[str, dict[int, list[float]]],
+    cpu: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+) -> str:
+    lines = [
+        "| process | " + " | ".join(f"{name} (% of a core)" for name in cpu) + " |",
+        "|---|" + "---|" * len(cpu),
+    ]
+    for role in ("engine_core", "worker"):
+        lines.append(
+            f"| {role} | " + " | ".join(f"{c.get(role, 0.0):.1f}" for c in cpu.values()) + " |"
+        )
+    lines += [
+        "",
+        f"Unthrottled `fast` user, {TOKENS} tokens per stream, {args.rounds} alternating rounds "
+        "(tok/s, median; per-round values in brackets):",
+        "",
+        "| streams | patched | engine wait only | ratio |",
+        "|---|---|---|---|",
+    ]
+    a, b = tput["patched"], tput["engine wait only"]
+    for n in STREAMS:
+        ma, mb = statistics.median(a[n]), statistics.median(b[n])
+        lines.append(
+            f"| {n} | {ma:.0f} ({', '.join(f'{x:.0f}' for x in a[n])}) "
+            f"| {mb:.0f} ({', '.join(f'{x:.0f}' for x in b[n])}) | {ma / mb:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
-    patched = measure(spin=False)
-    upstream = measure(spin=True)
-    rows = [
-        "| process | patched idle wait (% of a core) | upstream 1 ms spin (% of a core) |",
-        "|---|---|---|",
-    ]
-    for role in ("engine_core", "worker"):
-        rows.append(f"| {role} | {patched.get(role, 0):.1f} | {upstream.get(role, 0):.1f} |")
-    print("\n".join(rows))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    log_dir = Path(tempfile.mkdtemp(prefix="idle-cpu-"))
+    slug = {name: name.replace(" ", "-") for name in VARIANTS}
+    servers = {
+        name: Server(upstream, log_dir / f"{slug[name]}.log") for name, upstream in VARIANTS.items()
+    }
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        pair = ("patched", "engine wait only")
+        for name in pair:  # warm-up
+            throughput(servers[name].url, 4)
+        tput: dict[str, dict[int, list[float]]] = {name: {n: [] for n in STREAMS} for name in pair}
+        for i in range(args.rounds):
+            for name in pair if i % 2 == 0 else pair[::-1]:
+                for n in STREAMS:
+                    tput[name][n].append(throughput(servers[name].url, n))
+            print("round", i + 1, {k: {n: round(v[n][-1]) for n in v} for k, v in tput.items()})
+        cpu = {}
+        for name, server in servers.items():
+            cpu[name] = throttled_cpu(server, args.window)
+            print(name, {k: round(v, 1) for k, v in cpu[name].items()})
+    finally:
+        for server in servers.values():
+            server.kill()
+    text = report(tput, cpu, args)
+    print(text)
+    if args.out:
+        args.out.write_text(
+            f"Run: `.venv/bin/python -m bench.idle_cpu_bench --rounds {args.rounds} "
+            f"--window {args.window:g}` on {os.cpu_count()} cores "
+            f"at load average {os.getloadavg()[0]:.1f}\n\n{text}\n"
+        )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -5,8 +5,9 @@ patch is idempotent. In the API server process it adds the output-rate flags
 to vLLM's own argument parser, carries them into
 ``VllmConfig.additional_config["output_rate"]``, verifies the configuration
 and selects the scheduler subclass matching ``async_scheduling``. In the
-engine-core process it patches the idle wait. With none of the flags given,
-nothing changes: the scheduler is upstream's.
+engine-core process it patches the idle wait; in a multiproc worker process,
+the busy window of the worker's input reader (engine_ext/worker_spin.py).
+With none of the flags given, nothing changes: the scheduler is upstream's.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def register() -> None:
     if limiting_on() and API_SERVER_MODULE in sys.modules:
         _reject_beam_search()  # an extra API server process
     from engine_ext.engine_core import patch_engine_core
+    from engine_ext.worker_spin import patch_worker_proc
 
     patch_engine_core()
+    patch_worker_proc()
 
 
 def limiting_on() -> bool:

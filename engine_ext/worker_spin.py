@@ -1,0 +1,130 @@
+"""Worker patch: a multiproc worker of a throttled engine parks between steps.
+
+With the multiproc executor (vLLM's CPU platform always uses it; GPUs with
+tensor parallelism too) the model runs in worker processes that read every
+step from a shared-memory ``MessageQueue``. Its reader (``SpinCondition``)
+busy-polls with ``sched_yield`` for ``busy_loop_s`` = 1 s after each read
+before it parks on a ZMQ notify socket; vLLM 0.32.0 passes no other value and
+no setting changes it. An engine whose requests are all throttled still sends
+a step at least every 50 ms (the idle wait's cap, or sooner when a budget
+returns), so the worker never parks and burns a whole core.
+
+With limiting on, the worker's own input reader gets a short busy window,
+counted from the moment the worker starts waiting for the next step (upstream
+counts from the last read, i.e. it includes the model's run time). Under load
+the next step arrives within the engine core's own gap between steps (output
+processing and ``schedule()``: well under a millisecond with async scheduling,
+a few ms with large sync batches), so the worker spins exactly as upstream
+does. A longer gap means the engine core is idle or waiting, and then parking
+costs one ZMQ wake-up (tens of microseconds) on a gap of milliseconds.
+
+Only the worker's input reader of an engine with limiting on is touched; the
+engine core's reader of worker results and every other queue keep vLLM's
+behaviour. If vLLM's internals differ from what this expects, the patch logs
+a warning and leaves the reader as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine_ext.config import OutputRateConfig
+
+# A child of the "vllm" logger, so messages go through vLLM's own log configuration.
+logger = logging.getLogger("vllm.output_rate." + __name__)
+
+# Long enough to cover the engine core's gap between back-to-back steps under
+# load, short enough that a throttled engine's steps (tens of ms apart) leave
+# the worker parked most of the time.
+BUSY_WINDOW_S = 0.005
+_PATCHED_ATTR = "_output_rate_patched"
+
+
+def shorten_reader_spin(spin: Any, busy_window_s: float = BUSY_WINDOW_S) -> bool:
+    """Make a ``SpinCondition`` reader spin ``busy_window_s`` from the start of each wait.
+
+    Returns False (and changes nothing) if ``spin`` does not look like vLLM
+    0.32.0's reader: a reader flag, float ``busy_loop_s`` and ``last_read``, a
+    callable ``wait``. Idempotent.
+    """
+    if getattr(spin, _PATCHED_ATTR, False):
+        return True
+    if not (
+        getattr(spin, "is_reader", False) is True
+        and isinstance(getattr(spin, "busy_loop_s", None), (int, float))
+        and isinstance(getattr(spin, "last_read", None), float)
+        and callable(getattr(spin, "wait", None))
+    ):
+        return False
+    original_wait = spin.wait
+    # The last_read value this wrapper wrote; any other value means a read
+    # finished since (upstream's record_read), so a new wait period begins.
+    seen = [spin.last_read]
+
+    def wait(*args: Any, **kwargs: Any) -> Any:
+        if spin.last_read != seen[0]:
+            # Upstream measures the window from the read, before the model ran;
+            # measuring from here makes it independent of the model's step time.
+            spin.last_read = seen[0] = time.monotonic()
+        return original_wait(*args, **kwargs)
+
+    spin.busy_loop_s = busy_window_s
+    spin.wait = wait
+    setattr(spin, _PATCHED_ATTR, True)
+    return True
+
+
+def park_idle_worker(worker_proc: Any) -> None:
+    """Shorten the busy window of a ``WorkerProc``'s input reader when limiting is on."""
+    vllm_config = getattr(getattr(worker_proc, "worker", None), "vllm_config", None)
+    if not OutputRateConfig.from_vllm_config(vllm_config).enabled:
+        return
+    queue = getattr(worker_proc, "rpc_broadcast_mq", None)
+    if queue is None or getattr(queue, "_is_local_reader", None) is False:
+        return  # a remote reader blocks on a ZMQ socket: nothing spins
+    spin: Any = getattr(queue, "_spin_condition", None)
+    upstream_s = getattr(spin, "busy_loop_s", None)
+    if not shorten_reader_spin(spin):
+        logger.warning(
+            "output-rate: the worker's input queue reader is not the expected SpinCondition "
+            "(vLLM internals changed?); it keeps vLLM's busy-poll while the engine is throttled"
+        )
+        return
+    logger.info(
+        "output-rate: worker input reader spins %.1f ms from the start of each wait "
+        "(vLLM: %s s from each read), then parks",
+        spin.busy_loop_s * 1000,
+        upstream_s,
+    )
+
+
+def patch_worker_proc() -> None:
+    """Patch ``WorkerProc.worker_busy_loop`` once per process.
+
+    General plugins are loaded in a worker from ``init_worker`` inside
+    ``WorkerProc.__init__``, before its message queues exist; the busy loop
+    starts after they do, so the reader is adjusted there, in the worker.
+    """
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        logger.warning("output-rate: vLLM's multiproc WorkerProc not found; worker not patched")
+        return
+    if getattr(WorkerProc, _PATCHED_ATTR, False):
+        return
+    original_busy_loop = getattr(WorkerProc, "worker_busy_loop", None)
+    if not callable(original_busy_loop):
+        logger.warning("output-rate: WorkerProc.worker_busy_loop not found; worker not patched")
+        return
+
+    def worker_busy_loop(self: Any) -> Any:
+        try:
+            park_idle_worker(self)
+        except Exception:  # never let an optimisation stop a worker from serving
+            logger.exception("output-rate: could not adjust the worker's input reader")
+        return original_busy_loop(self)
+
+    WorkerProc.worker_busy_loop = worker_busy_loop
+    setattr(WorkerProc, _PATCHED_ATTR, True)
