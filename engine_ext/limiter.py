@@ -138,6 +138,41 @@ class OutputRateLimiter:
         state.tat_scaled = (tat if tat > now_scaled else now_scaled) + NS_PER_S
         return True
 
+    def take_many(self, num_wanted: Mapping[str, int]) -> dict[str, int]:
+        """Take up to ``n`` tokens for every ``user: n``, at one clock reading.
+
+        Exactly ``n`` calls of ``try_take(user)`` (stopping at the first
+        refusal) at a clock that does not move between them. Returns only the
+        users that got fewer than they asked for, with the number they got.
+        """
+        now = self._clock_ns()
+        states = self._states
+        rates = self._user_rates
+        default_rate = self._default_rate
+        num_short: dict[str, int] = {}
+        for user, num in num_wanted.items():
+            state = states.get(user)
+            if state is None:
+                rate = rates.get(user, default_rate)
+                if rate is None:
+                    continue
+                # A new user starts with its TAT at now, like try_take's first call.
+                state = states[user] = _UserState(now * rate, rate, self._burst_ns)
+            now_scaled = now * state.rate
+            tat = state.tat_scaled
+            base = tat if tat > now_scaled else now_scaled
+            # Token i (from 0) is allowed iff base + i * NS_PER_S - now <= burst.
+            slack = now_scaled + state.burst_scaled - base
+            if slack < 0:
+                num_short[user] = 0
+                continue
+            num_allowed = slack // NS_PER_S + 1
+            if num_allowed < num:
+                num_short[user] = num_allowed
+                num = num_allowed
+            state.tat_scaled = base + num * NS_PER_S
+        return num_short
+
     def refund(self, user: str) -> None:
         state = self._states.get(user)
         if state is not None:

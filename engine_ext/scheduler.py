@@ -22,9 +22,9 @@ The upstream ``schedule()`` is wrapped, never copied:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -168,11 +168,10 @@ class OutputRateMixin:
 
     def _plan_running(self, plan: _StepPlan, step: int) -> None:
         """Charge every running request whose dispatch this step would sample."""
-        take = self.output_rate_limiter.try_take
         max_chunk = self.max_num_scheduled_tokens
+        # Until someone is refused, every dispatchable request is charged.
         charged = plan.charged
-        # user -> that user's refused requests; only users that ran out.
-        refused: dict[str, list[Request]] = {}
+        charge = charged.append
         num_busy = 0  # running requests that need no token (mid-prefill chunks)
         for request in self.running:
             num_placeholders = request.num_output_placeholders
@@ -190,33 +189,38 @@ class OutputRateMixin:
                 >= request.num_prompt_tokens + request.max_tokens
             ):
                 continue  # upstream's async look-ahead stop: nothing to dispatch
-            user = request.output_rate_user  # type: ignore[attr-defined]
-            if refused and user in refused:
-                refused[user].append(request)
-            elif take(user):
-                charged.append(request)
-            else:
-                refused[user] = [request]
-        if refused:
-            self._rotate_contended(plan, refused)
+            charge(request)
+        # One limiter call per step: a user with several streams asks for all
+        # of their tokens at once.
+        num_wanted = Counter([r.output_rate_user for r in charged])  # type: ignore[attr-defined]
+        num_got = self.output_rate_limiter.take_many(num_wanted)
+        if num_got:
+            self._rotate_contended(plan, num_got)
         plan.parked = self._park_over_active_cap(plan, num_busy)
 
-    def _rotate_contended(self, plan: _StepPlan, refused: dict[str, list[Request]]) -> None:
-        """For users that ran out, hand their tokens to streams in rotation order.
+    def _rotate_contended(self, plan: _StepPlan, num_got: dict[str, int]) -> None:
+        """For users that ran short, hand their tokens to streams in rotation order.
 
-        The first pass granted a user's streams in ``running`` order; once a
-        user is refused all of its later streams are too, so granted + refused
-        is that user's streams in ``running`` order. The same number of tokens
-        goes to the streams that come first after the one served last.
+        ``num_got`` maps each such user to the tokens it got. The same number of
+        tokens goes to the streams that come first after the one served last.
         """
-        granted: dict[str, list[Request]] = {user: [] for user in refused}
+        # user -> its dispatchable streams in ``running`` order; filled in the
+        # order in which the users ran out, which is also the order their
+        # throttled streams go to the tail of ``running``.
+        streams_of: dict[str, list[Request]] = {user: [] for user in num_got}
+        refused: dict[str, list[Request]] = {}
         kept: list[Request] = []
         for request in plan.charged:
-            streams = granted.get(request.output_rate_user)  # type: ignore[attr-defined]
-            (kept if streams is None else streams).append(request)
-        for user, refused_streams in refused.items():
-            streams = granted[user] + refused_streams
-            num_granted = len(granted[user])
+            user = request.output_rate_user  # type: ignore[attr-defined]
+            streams = streams_of.get(user)
+            if streams is None:
+                kept.append(request)
+                continue
+            streams.append(request)
+            if len(streams) == num_got[user] + 1:
+                refused[user] = streams
+        for user, streams in refused.items():
+            num_granted = num_got[user]
             if num_granted:
                 streams = self._rotate(user, streams)
                 kept.extend(streams[:num_granted])
@@ -355,18 +359,33 @@ class OutputRateMixin:
     # ---- the single refund point ------------------------------------------
 
     def _settle(self, plan: _StepPlan, output: SchedulerOutput, step: int) -> None:
-        refund = self.output_rate_limiter.refund
         scheduled = output.num_scheduled_tokens
-        num_granted = self.num_granted if self.push_client is not None else None
-        for request in itertools.chain(plan.charged, plan.charged_waiting):
-            if request.request_id not in scheduled or request.is_prefill_chunk:
-                refund(request.output_rate_user)  # type: ignore[attr-defined]
-            elif num_granted is not None:
-                user = request.output_rate_user  # type: ignore[attr-defined]
-                num_granted[user] = num_granted.get(user, 0) + 1
+        unsampled = [r for r in plan.charged if r.request_id not in scheduled or r.is_prefill_chunk]
+        if plan.charged_waiting:
+            unsampled += [
+                r
+                for r in plan.charged_waiting
+                if r.request_id not in scheduled or r.is_prefill_chunk
+            ]
+        refund = self.output_rate_limiter.refund
+        for request in unsampled:
+            refund(request.output_rate_user)  # type: ignore[attr-defined]
+        if self.push_client is not None:
+            self._count_granted(plan, unsampled)
         if step % CLEANUP_INTERVAL_STEPS == 0:
             self._cleanup()
         self._maybe_report_usage()
+
+    def _count_granted(self, plan: _StepPlan, unsampled: list[Request]) -> None:
+        num_granted = self.num_granted
+        num_sampled = Counter(
+            [r.output_rate_user for r in plan.charged]  # type: ignore[attr-defined]
+            + [r.output_rate_user for r in plan.charged_waiting]  # type: ignore[attr-defined]
+        )
+        num_sampled.subtract([r.output_rate_user for r in unsampled])  # type: ignore[attr-defined]
+        for user, num in num_sampled.items():
+            if num > 0:
+                num_granted[user] = num_granted.get(user, 0) + num
 
     def _cleanup(self) -> None:
         self.output_rate_limiter.cleanup_idle_users()

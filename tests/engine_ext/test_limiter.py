@@ -197,3 +197,34 @@ def test_bad_rates_raise_a_clear_error(rate: object, error: type[Exception]) -> 
     with pytest.raises(error, match="default_rate"):
         limiter.set_default_rate(rate)  # type: ignore[arg-type]
     assert limiter.rate_of("u") is None  # nothing changed
+
+
+@pytest.mark.parametrize("burst_ns", [0, 100 * MS, 250 * MS])
+def test_take_many_is_n_try_takes_at_one_instant(burst_ns: int) -> None:
+    clock_a, clock_b = Clock(), Clock()
+    rates = {"x": 5, "y": 200, "free": None, "fast": 1_000_000}
+    batched = OutputRateLimiter(30, rates, burst_ns=burst_ns, clock_ns=clock_a)
+    single = OutputRateLimiter(30, rates, burst_ns=burst_ns, clock_ns=clock_b)
+    rng = random.Random(3)
+    users = ["x", "y", "z", "w", "free", "fast"]
+    for step in range(5_000):
+        wanted = {u: rng.randint(1, 40) for u in rng.sample(users, rng.randint(1, len(users)))}
+        got = {}
+        for user, num in wanted.items():
+            got[user] = 0
+            while got[user] < num and single.try_take(user):
+                got[user] += 1
+        short = batched.take_many(wanted)
+        assert short == {u: n for u, n in got.items() if n < wanted[u]}, step
+        for user in wanted:
+            for _ in range(rng.choice([0, 0, 1, 3])):
+                batched.refund(user)
+                single.refund(user)
+            assert batched.ready_at_ns(user) == single.ready_at_ns(user), step
+        if rng.random() < 0.02:
+            rate = rng.choice([1, 5, 50])
+            batched.set_rate("x", rate)
+            single.set_rate("x", rate)
+        dt = rng.choice([0, 1, 5, 40, 300]) * MS
+        clock_a.now += dt
+        clock_b.now += dt

@@ -47,6 +47,12 @@ class CountingLimiter(OutputRateLimiter):
         self.net_taken[user] += ok
         return ok
 
+    def take_many(self, num_wanted) -> dict[str, int]:
+        num_got = super().take_many(num_wanted)
+        for user, num in num_wanted.items():
+            self.net_taken[user] += num_got.get(user, num)
+        return num_got
+
     def refund(self, user: str) -> None:
         super().refund(user)
         self.net_taken[user] -= 1
