@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from engine_ext.worker_spin import BUSY_WINDOW_S
 from tests.e2e.client import StreamResult, run, stream_completion, user_rate, wall_rate
 from tests.e2e.conftest import ENGINE_LIMITS
 from tests.e2e.servers import VllmServer, free_port, vllm_command, vllm_env
@@ -65,6 +66,14 @@ def test_server_runs_the_matching_output_rate_scheduler(limited_server: VllmServ
     )
     assert f"Using custom scheduler class engine_ext.scheduler.{expected}." in log
     assert "output-rate: engine idle wait on" in log  # the EngineCore patch, engine process
+
+
+def test_worker_process_runs_with_the_short_input_reader_spin(limited_server: VllmServer) -> None:
+    # Logged by the spawned worker itself after it changed its reader, with
+    # the value read back from vLLM's SpinCondition (engine_ext/worker_spin.py).
+    message = f"output-rate: worker input reader spins {BUSY_WINDOW_S * 1000:.1f} ms"
+    lines = [line for line in limited_server.log().splitlines() if message in line]
+    assert len(lines) == 1 and lines[0].startswith("(Worker"), lines
 
 
 def test_users_get_their_limits_with_one_and_four_streams(limited_server: VllmServer) -> None:
