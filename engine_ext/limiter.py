@@ -139,7 +139,7 @@ class OutputRateLimiter:
         return True
 
     def take_many(self, num_wanted: Mapping[str, int]) -> dict[str, int]:
-        """Take up to ``n`` tokens for every ``user: n``, at one clock reading.
+        """Take up to ``n`` (>= 1) tokens for every ``user: n``, at one clock reading.
 
         Exactly ``n`` calls of ``try_take(user)`` (stopping at the first
         refusal) at a clock that does not move between them. Returns only the
@@ -163,13 +163,12 @@ class OutputRateLimiter:
             base = tat if tat > now_scaled else now_scaled
             # Token i (from 0) is allowed iff base + i * NS_PER_S - now <= burst.
             slack = now_scaled + state.burst_scaled - base
-            if slack < 0:
-                num_short[user] = 0
-                continue
-            num_allowed = slack // NS_PER_S + 1
-            if num_allowed < num:
-                num_short[user] = num_allowed
-                num = num_allowed
+            if slack < (num - 1) * NS_PER_S:
+                # Short: only the tokens that fit in the slack.
+                num = slack // NS_PER_S + 1 if slack >= 0 else 0
+                num_short[user] = num
+                if not num:
+                    continue
             state.tat_scaled = base + num * NS_PER_S
         return num_short
 
