@@ -1,7 +1,9 @@
 """CPU of an engine whose every request is throttled, and unthrottled throughput.
 
-Three servers of the same plugin run in one run, started together, with a
-default limit of 1 tok/s and one unlimited user ``fast``:
+Five servers of the same plugin run in one run, started together, with a
+default limit of 1 tok/s and one unlimited user ``fast``, in three variants
+(two servers each for the first two, so a difference between two identical
+servers is not read as the patch's effect):
 
 - ``patched``: the plugin as shipped (EngineCore idle wait + the worker's
   short input-reader busy window, engine_ext/worker_spin.py);
@@ -14,14 +16,16 @@ Measured:
 
 1. Unthrottled throughput of the ``fast`` user, patched vs engine wait only
    (the worker patch is the only difference): rounds of 1 stream and of 16
-   concurrent streams, alternating between the two servers (order flipped
-   every round) so machine noise hits both.
+   concurrent streams; each run on one server is followed at once by the same
+   run on the other (order flipped every round), and the ratio is also taken
+   per round, so a burst of load from other processes hits both. Each run
+   starts 1.5 s after the previous one, when no worker is still busy-polling.
 2. All throttled: 8 users stream at once; 3 s later every user has spent its
    burst and every request is throttled; CPU time of the engine-core and the
    worker process (psutil) over the next ``--window`` seconds, one server at
-   a time while the others hold no request.
+   a time (the first server of each variant) while the others hold no request.
 
-Run: .venv/bin/python -m bench.idle_cpu_bench [--rounds 5] [--window 10] [--out FILE]
+Run: .venv/bin/python -m bench.idle_cpu_bench [--rounds 10] [--window 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ WORKER_PATCH_LOG = "output-rate: worker input reader spins"
 THROTTLED_USERS = 8
 TOKENS = 200
 STREAMS = (1, 16)
+SETTLE_S = 1.5
 
 
 class Server(Process):
@@ -156,7 +161,7 @@ def throttled_cpu(server: Server, window_s: float) -> dict[str, float]:
 
 
 def report(
-    tput: dict[str, dict[int, list[float]]],
+    tput: dict[str, list[dict[int, list[float]]]],
     cpu: dict[str, dict[str, float]],
     args: argparse.Namespace,
 ) -> str:
@@ -170,53 +175,76 @@ def report(
         )
     lines += [
         "",
-        f"Unthrottled `fast` user, {TOKENS} tokens per stream, {args.rounds} alternating rounds "
-        "(tok/s, median; per-round values in brackets):",
+        f"Unthrottled `fast` user, {TOKENS} tokens per stream, {args.rounds} rounds per "
+        "server pair (tok/s, median over both servers of a variant; per server in brackets):",
         "",
-        "| streams | patched | engine wait only | ratio |",
-        "|---|---|---|---|",
+        "| streams | patched | engine wait only | ratio of medians | median of paired ratios |",
+        "|---|---|---|---|---|",
     ]
     a, b = tput["patched"], tput["engine wait only"]
     for n in STREAMS:
-        ma, mb = statistics.median(a[n]), statistics.median(b[n])
+        ma = statistics.median(x for server in a for x in server[n])
+        mb = statistics.median(x for server in b for x in server[n])
+        paired = statistics.median(
+            x / y for sa, sb in zip(a, b, strict=True) for x, y in zip(sa[n], sb[n], strict=True)
+        )
+        each_a = " / ".join(f"{statistics.median(server[n]):.0f}" for server in a)
+        each_b = " / ".join(f"{statistics.median(server[n]):.0f}" for server in b)
         lines.append(
-            f"| {n} | {ma:.0f} ({', '.join(f'{x:.0f}' for x in a[n])}) "
-            f"| {mb:.0f} ({', '.join(f'{x:.0f}' for x in b[n])}) | {ma / mb:.3f} |"
+            f"| {n} | {ma:.0f} ({each_a}) | {mb:.0f} ({each_b}) | {ma / mb:.3f} | {paired:.3f} |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="idle-cpu-"))
-    slug = {name: name.replace(" ", "-") for name in VARIANTS}
-    servers = {
-        name: Server(upstream, log_dir / f"{slug[name]}.log") for name, upstream in VARIANTS.items()
-    }
+    # Two servers per compared variant, started A B B A: in a check on this
+    # machine the first-started of two servers ran ~10 % slower whichever
+    # variant it was, which must not be read as the patch's effect.
+    order = [("patched", 0), ("engine wait only", 0), ("engine wait only", 1), ("patched", 1)]
+    order.append(("upstream", 0))
+    servers: dict[str, list[Server]] = {name: [] for name in VARIANTS}
+    for name, k in order:
+        log = log_dir / f"{name.replace(' ', '-')}-{k}.log"
+        servers[name].append(Server(VARIANTS[name], log))
     try:
-        for server in servers.values():
-            server.wait_ready()
+        for group in servers.values():
+            for server in group:
+                server.wait_ready()
         pair = ("patched", "engine wait only")
         for name in pair:  # warm-up
-            throughput(servers[name].url, 4)
-        tput: dict[str, dict[int, list[float]]] = {name: {n: [] for n in STREAMS} for name in pair}
+            for server in servers[name]:
+                throughput(server.url, 4)
+        tput: dict[str, list[dict[int, list[float]]]] = {
+            name: [{n: [] for n in STREAMS} for _ in servers[name]] for name in pair
+        }
         for i in range(args.rounds):
-            for name in pair if i % 2 == 0 else pair[::-1]:
-                for n in STREAMS:
-                    tput[name][n].append(throughput(servers[name].url, n))
-            print("round", i + 1, {k: {n: round(v[n][-1]) for n in v} for k, v in tput.items()})
+            for n in STREAMS:
+                for k in range(2):  # each pair back to back, so a burst of load hits both
+                    for name in pair if (i + k) % 2 == 0 else pair[::-1]:
+                        # An unpatched worker busy-polls for 1 s after its last step;
+                        # on a 2-core machine that would slow the next server's run.
+                        time.sleep(SETTLE_S)
+                        tput[name][k][n].append(throughput(servers[name][k].url, n))
+            print(
+                "round",
+                i + 1,
+                {k: [{n: round(d[n][-1]) for n in d} for d in v] for k, v in tput.items()},
+            )
         cpu = {}
-        for name, server in servers.items():
-            cpu[name] = throttled_cpu(server, args.window)
+        for name, group in servers.items():
+            cpu[name] = throttled_cpu(group[0], args.window)
             print(name, {k: round(v, 1) for k, v in cpu[name].items()})
     finally:
-        for server in servers.values():
-            server.kill()
+        for group in servers.values():
+            for server in group:
+                server.kill()
     text = report(tput, cpu, args)
     print(text)
     if args.out:
