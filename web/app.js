@@ -12,10 +12,11 @@ const times = [];
 let chart = null;
 let chartUsers = [];
 
-function status(message, isError = false) {
+function status(message, isError = false, source = "action") {
   const el = $("#status");
   el.textContent = message;
   el.className = isError ? "error" : "";
+  el.dataset.source = source;
 }
 
 async function api(method, path, body) {
@@ -66,6 +67,17 @@ async function guarded(action) {
     status("");
   } catch (error) {
     status(error.message, true);
+  }
+}
+
+// The live poll may only clear what it reported itself: an operator's failed
+// action stays on screen until their next action.
+async function polled(action) {
+  try {
+    await action();
+    if ($("#status").dataset.source === "poll") status("");
+  } catch (error) {
+    status(error.message, true, "poll");
   }
 }
 
@@ -276,4 +288,4 @@ function wireForms() {
 
 wireForms();
 guarded(refreshConfig);
-setInterval(() => guarded(async () => { await loadEngines(); await loadUsage(); }), 1000);
+setInterval(() => polled(async () => { await loadEngines(); await loadUsage(); }), 1000);

@@ -94,6 +94,11 @@ def test_tiers_users_and_default_are_managed_from_the_ui(page: Page, served: Con
     expect(page.locator("#status")).to_contain_text("name")
     expect(page.locator("#status")).to_have_class("error")
     expect(page.locator("#tiers tbody tr")).to_have_count(1)
+    # The once-a-second live poll succeeding twice does not wipe the error.
+    for _ in range(2):
+        with page.expect_response(lambda r: "/usage" in r.url and r.ok):
+            pass
+    expect(page.locator("#status")).to_contain_text("name")
 
     # A tier in use cannot be deleted; after removing the user it can.
     page.click('#tiers tr[data-tier="gold"] button')
