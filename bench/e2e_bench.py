@@ -12,10 +12,11 @@ Three servers run side by side in one run, started together:
 Measured:
 
 1. Unthrottled throughput, plugin vs plain: rounds of S concurrent streams x T
-   tokens, alternating between the two servers so machine noise hits both.
+   tokens, the two servers back to back with the order flipped every round so
+   machine noise hits both, each run 1.5 s after the last (below).
 2. Isolation: an unlimited user's tokens/s alone vs beside the throttled
    ``hog`` with many streams (plugin), and beside an unthrottled hog (plain,
-   for reference).
+   for reference); several alone/beside pairs, the two servers taking turns.
 3. Accuracy: limit vs measured tokens/s for 20/100/300 tok/s with 1/4/16
    streams, sync and async; the three users of one limit run concurrently.
 4. Engine CPU while every request is throttled (EngineCore process CPU time).
@@ -47,6 +48,10 @@ ACCURACY_SECONDS = 6.0
 # --max-model-len 512 minus the prompt: fast single streams get fewer seconds.
 MAX_TOKENS_PER_STREAM = 480
 COMMON_FLAGS = ("--max-num-seqs", "32", "--max-num-active-seqs", "16")
+# vLLM's CPU worker busy-polls for 1 s after its last step (the plugin's worker
+# parks after 5 ms), so a run that starts at once after another server's run
+# shares the 2 cores with that spinning worker. Every run waits this long first.
+SETTLE_S = 1.5
 
 
 def accuracy_user(limit: int, streams: int) -> str:
@@ -80,6 +85,7 @@ async def streams(
 
 
 def throughput(url: str, num_streams: int, max_tokens: int) -> float:
+    time.sleep(SETTLE_S)
     start = time.monotonic()
     results = asyncio.run(streams(url, None, num_streams, max_tokens))
     elapsed = time.monotonic() - start
@@ -90,6 +96,7 @@ def isolation(url: str, hog_streams: int) -> tuple[float, float]:
     """(user-c tok/s alone, beside a hog with ``hog_streams`` streams)."""
 
     async def main() -> tuple[float, float]:
+        await asyncio.sleep(SETTLE_S)
         async with httpx.AsyncClient(timeout=600) as client:
             alone = await stream_completion(client, url, user="user-c", max_tokens=300)
             hog = [
@@ -175,6 +182,7 @@ def throttled_engine_cpu(server: VllmServer, window_s: float = 3.0) -> float | N
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     plain, plugin = results["throughput_plain"], results["throughput_plugin"]
     ratio = statistics.median(plugin) / statistics.median(plain)
+    paired = statistics.median(b / a for a, b in zip(plain, plugin, strict=True))
     lines = [
         "# End-to-end benchmark (real vLLM 0.32.0 servers, tiny model, CPU)",
         "",
@@ -188,7 +196,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         "## Unthrottled throughput, plugin on (limits far above capacity) vs plain vLLM",
         "",
         f"{args.streams} concurrent streams x {args.tokens} tokens, {args.rounds} rounds "
-        "alternating between the two servers.",
+        "back to back, order flipped every round, each run 1.5 s after the previous one.",
         "",
         "| round | plain tok/s | plugin tok/s |",
         "|---|---|---|",
@@ -199,18 +207,26 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"| **median** | **{statistics.median(plain):.0f}** | "
         f"**{statistics.median(plugin):.0f}** |",
         "",
-        f"Ratio plugin / plain (medians): **{ratio:.3f}** (goal >= 0.98).",
+        f"Ratio plugin / plain (medians): **{ratio:.3f}**; median of the per-round "
+        f"ratios: **{paired:.3f}** (goal >= 0.98).",
         "",
         "## Isolation",
         "",
         "Tokens per wall second (request sent to last byte) of one unlimited stream "
-        f"(300 tokens) alone, then beside a second user with {args.hog_streams} streams.",
+        f"(300 tokens) alone, then beside a second user with {args.hog_streams} streams; "
+        f"{args.isolation_pairs} such pairs per server, the servers taking turns. "
+        "Medians; the ratio is the median of the per-pair ratios (range in brackets).",
         "",
         "| server | hog | alone tok/s | beside tok/s | ratio |",
         "|---|---|---|---|---|",
     ]
-    for name, hog, (alone, beside) in results["isolation"]:
-        lines.append(f"| {name} | {hog} | {alone:.0f} | {beside:.0f} | {beside / alone:.2f} |")
+    for name, hog, pairs in results["isolation"]:
+        ratios = sorted(beside / alone for alone, beside in pairs)
+        lines.append(
+            f"| {name} | {hog} | {statistics.median(a for a, _ in pairs):.0f} "
+            f"| {statistics.median(b for _, b in pairs):.0f} "
+            f"| {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+        )
     lines += [
         "",
         "Goal for the plugin row: ratio >= 0.9. The plain row shows what the limit prevents.",
@@ -258,6 +274,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--hog-streams", type=int, default=16)
+    parser.add_argument("--isolation-pairs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.md"))
     args = parser.parse_args()
 
@@ -276,14 +293,19 @@ def main() -> None:
         for server in (plain, plugin):  # warm-up
             throughput(server.url, 4, 20)
         results: dict[str, Any] = {"throughput_plain": [], "throughput_plugin": []}
-        for _ in range(args.rounds):
-            results["throughput_plain"].append(throughput(plain.url, args.streams, args.tokens))
-            results["throughput_plugin"].append(throughput(plugin.url, args.streams, args.tokens))
+        for i in range(args.rounds):
+            order = ("plain", "plugin") if i % 2 == 0 else ("plugin", "plain")
+            for name in order:
+                results[f"throughput_{name}"].append(
+                    throughput(servers[name].url, args.streams, args.tokens)
+                )
             print("throughput", results["throughput_plain"][-1], results["throughput_plugin"][-1])
-        results["isolation"] = [
-            ("plugin", f"throttled at {HOG_LIMIT} tok/s", isolation(plugin.url, args.hog_streams)),
-            ("plain", "unthrottled", isolation(plain.url, args.hog_streams)),
-        ]
+        hogs = {"plugin": f"throttled at {HOG_LIMIT} tok/s", "plain": "unthrottled"}
+        pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in hogs}
+        for _ in range(args.isolation_pairs):
+            for name in hogs:
+                pairs[name].append(isolation(servers[name].url, args.hog_streams))
+        results["isolation"] = [(name, hog, pairs[name]) for name, hog in hogs.items()]
         print("isolation", results["isolation"])
         results["accuracy"] = {
             "sync": accuracy(plugin.url),
