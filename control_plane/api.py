@@ -80,7 +80,7 @@ async def list_limits(
 @router.post("/limits:bulk", response_model=BulkOut)
 async def bulk_put_limits(body: BulkIn, db: DatabaseDep, principal: WriterDep) -> dict[str, Any]:
     items = [(i.user, i.output_tokens_per_second, i.tier) for i in body.items]
-    result = await db.write(services.bulk_put_limits, actor=principal.name, items=items)
+    result = await db.write_batch(services.bulk_put_limits, actor=principal.name, items=items)
     return result
 
 

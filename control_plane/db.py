@@ -8,9 +8,10 @@ write can fail at once with "database is locked" under concurrency.
 Where the work runs (docs/control-plane.md, "How a request runs"): a hop to a worker
 thread costs the server more CPU than a SQLite point query (0.1 ms idle, up to 0.5 ms
 under load, against 0.05 ms), so SQLite reads run on the event loop; in WAL mode a
-reader never waits for a lock. Writes, and everything on PostgreSQL (a network round
-trip), run in a worker thread, because a writer may wait for another writer and the
-loop must never wait.
+reader never waits for a lock. A small SQLite write runs there too when it can take the
+write lock at once (busy timeout 0); otherwise, and for bulk writes and everything on
+PostgreSQL (a network round trip), it runs on the writer thread, which may wait for
+another writer: the loop must never wait.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import anyio.to_thread
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 
 logger = logging.getLogger("control_plane")
 
@@ -32,6 +34,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 WRITE_OPTION = "output_rate_write"
+# With WRITE_OPTION on SQLite: take the write lock now or fail at once, never wait.
+NO_WAIT_OPTION = "output_rate_no_wait"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # connection.info key: the config version a write produced, for the on_commit hooks.
 NEW_VERSION_KEY = "output_rate_new_version"
@@ -66,13 +70,26 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
-        write = conn.get_execution_options().get(WRITE_OPTION, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        options = conn.get_execution_options()
+        if not options.get(WRITE_OPTION, False):
+            conn.exec_driver_sql("BEGIN")
+        elif options.get(NO_WAIT_OPTION, False):
+            conn.exec_driver_sql("PRAGMA busy_timeout=0")
+            try:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            finally:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def mark_new_version(conn: Connection, version: int) -> None:
     """Record that this transaction produced `version` (hooks run after its commit)."""
     conn.info[NEW_VERSION_KEY] = version
+
+
+class _WriteLockBusy(Exception):
+    """Another connection holds SQLite's write lock."""
 
 
 class Database:
@@ -84,7 +101,7 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.on_commit: list[Callable[[int], None]] = []
-        self._reads_inline = engine.dialect.name == "sqlite"
+        self._reads_inline = self._writes_inline = engine.dialect.name == "sqlite"
         # One thread runs every request's write: writers serialize on the database's
         # lock anyway, so they queue here instead of parking worker threads on it,
         # and a one-thread executor is the cheapest hop off the loop.
@@ -121,14 +138,39 @@ class Database:
     async def write(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
     ) -> T:
+        """A small write (one user, one tier). On SQLite it runs on the event loop when
+        the write lock is free at once (a write there costs less than the hop to a
+        thread); if another writer holds it, it queues on the writer thread instead."""
+        if self._writes_inline:
+            try:
+                result, version = self._write(lambda conn: fn(conn, *a, **kw), wait=False)
+            except _WriteLockBusy:
+                pass
+            else:
+                if version is not None:
+                    self.notify(version)
+                return result
+        return await self.write_batch(fn, *a, **kw)
+
+    async def write_batch(
+        self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
+    ) -> T:
+        """A write of any size: always on the writer thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._writer, partial(self.write_now, fn, *a, **kw))
 
-    def _write(self, work: Callable[[Connection], T]) -> tuple[T, int | None]:
-        with self.engine.connect().execution_options(**{WRITE_OPTION: True}) as conn:
+    def _write(self, work: Callable[[Connection], T], *, wait: bool = True) -> tuple[T, int | None]:
+        options = {WRITE_OPTION: True, NO_WAIT_OPTION: not wait}
+        with self.engine.connect().execution_options(**options) as conn:
             conn.info.pop(NEW_VERSION_KEY, None)
             try:
-                with conn.begin():
+                try:
+                    transaction = conn.begin()
+                except OperationalError as error:
+                    if not wait and "locked" in str(error.orig):
+                        raise _WriteLockBusy from error
+                    raise
+                with transaction:
                     result = work(conn)
             finally:
                 version: int | None = conn.info.pop(NEW_VERSION_KEY, None)

@@ -1,0 +1,69 @@
+"""Where `Database.write` runs a write, on a real database file or server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from sqlalchemy import Connection, create_engine, text
+
+from control_plane import services
+from control_plane.db import Database, make_engine
+
+
+def _put(conn: Connection, *, user: str, rate: int) -> tuple[str, int]:
+    """put_limit, and the thread it ran on."""
+    view = services.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
+    return threading.current_thread().name, view["version"]
+
+
+def test_small_write_runs_on_the_loop_when_the_lock_is_free(db_url: str) -> None:
+    db = Database(make_engine(db_url))
+    seen: list[int] = []
+    db.on_commit.append(seen.append)
+
+    async def main() -> tuple[str, int]:
+        return await db.write(_put, user="alice", rate=5)
+
+    thread, version = asyncio.run(main())
+    # SQLite: on the event loop's own thread; PostgreSQL (a network round trip): the
+    # writer thread.
+    expected = "MainThread" if db_url.startswith("sqlite") else "output-rate-writer"
+    assert thread.startswith(expected)
+    assert seen == [version]
+    db.dispose()
+
+
+def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lock(
+    db_url: str,
+) -> None:
+    db = Database(make_engine(db_url))
+    outside = create_engine(db_url)
+    seen: list[int] = []
+    db.on_commit.append(seen.append)
+
+    async def main() -> tuple[str, int]:
+        await db.write(_put, user="alice", rate=5)  # the server is up (and SQLite in WAL)
+        with outside.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.begin()
+                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
+            write = asyncio.ensure_future(db.write(_put, user="bob", rate=7))
+            # The loop is not blocked: it keeps running other work while the write waits.
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+            assert not write.done()
+            conn.rollback()
+        return await asyncio.wait_for(write, timeout=60)
+
+    thread, version = asyncio.run(main())
+    assert thread.startswith("output-rate-writer")
+    assert seen == [version - 1, version]
+    # The no-wait attempt left the pooled connections with the normal busy timeout.
+    if db_url.startswith("sqlite"):
+        with db.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+    outside.dispose()
+    db.dispose()
