@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -70,17 +72,20 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
+        # Straight on the driver's connection: these run once per request, and going
+        # through SQLAlchemy's statement machinery cost more than the statements.
+        dbapi_connection = conn.connection.dbapi_connection
         options = conn.get_execution_options()
         if not options.get(WRITE_OPTION, False):
-            conn.exec_driver_sql("BEGIN")
+            dbapi_connection.execute("BEGIN")
         elif options.get(NO_WAIT_OPTION, False):
-            conn.exec_driver_sql("PRAGMA busy_timeout=0")
+            dbapi_connection.execute("PRAGMA busy_timeout=0")
             try:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                dbapi_connection.execute("BEGIN IMMEDIATE")
             finally:
-                conn.exec_driver_sql(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+                dbapi_connection.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         else:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            dbapi_connection.execute("BEGIN IMMEDIATE")
 
 
 def mark_new_version(conn: Connection, version: int) -> None:
@@ -90,6 +95,12 @@ def mark_new_version(conn: Connection, version: int) -> None:
 
 class _WriteLockBusy(Exception):
     """Another connection holds SQLite's write lock."""
+
+
+def _is_locked(error: Exception) -> bool:
+    """SQLite's "database is locked", raw from the driver or wrapped by SQLAlchemy."""
+    orig = error.orig if isinstance(error, OperationalError) else error
+    return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig)
 
 
 class Database:
@@ -106,6 +117,13 @@ class Database:
         # lock anyway, so they queue here instead of parking worker threads on it,
         # and a one-thread executor is the cheapest hop off the loop.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="output-rate-writer")
+        # SQLite: the connection that reads and writes inline on an event loop's thread,
+        # kept open (one per such thread) so that a request does not pay a pool
+        # checkout and return. Calls on it never interleave: each runs to completion
+        # without awaiting.
+        self._inline = threading.local()
+        self._inline_connections: list[Connection] = []
+        self._inline_lock = threading.Lock()
 
     def read_now(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
@@ -125,7 +143,11 @@ class Database:
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
     ) -> T:
         if self._reads_inline:
-            return self.read_now(fn, *a, **kw)
+            conn = self._inline_connection()
+            try:
+                return fn(conn, *a, **kw)
+            finally:
+                conn.rollback()
         return await anyio.to_thread.run_sync(partial(self.read_now, fn, *a, **kw))
 
     async def scan(
@@ -159,21 +181,41 @@ class Database:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._writer, partial(self.write_now, fn, *a, **kw))
 
+    def _inline_connection(self) -> Connection:
+        conn: Connection | None = getattr(self._inline, "conn", None)
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self.engine.connect()
+            self._inline.conn = conn
+            with self._inline_lock:
+                self._inline_connections.append(conn)
+        return conn
+
     def _write(self, work: Callable[[Connection], T], *, wait: bool = True) -> tuple[T, int | None]:
-        options = {WRITE_OPTION: True, NO_WAIT_OPTION: not wait}
-        with self.engine.connect().execution_options(**options) as conn:
-            conn.info.pop(NEW_VERSION_KEY, None)
-            try:
-                try:
-                    transaction = conn.begin()
-                except OperationalError as error:
-                    if not wait and "locked" in str(error.orig):
-                        raise _WriteLockBusy from error
-                    raise
-                with transaction:
-                    result = work(conn)
-            finally:
-                version: int | None = conn.info.pop(NEW_VERSION_KEY, None)
+        if not wait:
+            return self._run_write(self._inline_connection(), work, wait=False)
+        with self.engine.connect() as conn:
+            return self._run_write(conn, work, wait=True)
+
+    def _run_write(
+        self, conn: Connection, work: Callable[[Connection], T], *, wait: bool
+    ) -> tuple[T, int | None]:
+        conn.info.pop(NEW_VERSION_KEY, None)
+        # Read by the "begin" event only. Connection.execution_options changes the
+        # connection in place, so the inline connection is set back for its next read.
+        conn.execution_options(**{WRITE_OPTION: True, NO_WAIT_OPTION: not wait})
+        try:
+            transaction = conn.begin()
+        except (OperationalError, sqlite3.OperationalError) as error:
+            if not wait and _is_locked(error):
+                raise _WriteLockBusy from error
+            raise
+        finally:
+            conn.execution_options(**{WRITE_OPTION: False, NO_WAIT_OPTION: False})
+        try:
+            with transaction:
+                result = work(conn)
+        finally:
+            version: int | None = conn.info.pop(NEW_VERSION_KEY, None)
         return result, version
 
     def notify(self, version: int) -> None:
@@ -185,4 +227,8 @@ class Database:
 
     def dispose(self) -> None:
         self._writer.shutdown(wait=True)
+        with self._inline_lock:
+            for conn in self._inline_connections:
+                conn.close()
+            self._inline_connections.clear()
         self.engine.dispose()

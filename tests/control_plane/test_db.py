@@ -67,3 +67,29 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
     outside.dispose()
     db.dispose()
+
+
+def test_reads_after_an_inline_write_do_not_take_the_write_lock(db_url: str) -> None:
+    """The loop's own connection wrote last; its next reads are plain reads, so they go
+    on while another connection holds the write lock."""
+    db = Database(make_engine(db_url))
+    outside = create_engine(db_url)
+
+    async def main() -> list[int | None]:
+        await db.write(_put, user="alice", rate=5)
+        with outside.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.begin()
+                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
+            rates = []
+            for _ in range(3):
+                view = await asyncio.wait_for(db.read(services.get_limit, user="alice"), 10)
+                rates.append(view["effective_output_tokens_per_second"])
+            conn.rollback()
+        return rates
+
+    assert asyncio.run(main()) == [5, 5, 5]
+    outside.dispose()
+    db.dispose()
