@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 from control_plane.app import create_app
 from control_plane.cli import upgrade
@@ -48,3 +48,23 @@ def make_client(url: str) -> TestClient:
     client = TestClient(create_app(make_settings(url)))
     client.headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
     return client
+
+
+@contextmanager
+def writers_lock_held(db_url: str) -> Iterator[Connection]:
+    """A separate connection, as another process would, holding what every writer needs
+    (SQLite's write lock; PostgreSQL's config row). `rollback()` on it releases it early."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.begin()
+                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
+            try:
+                yield conn
+            finally:
+                conn.rollback()
+    finally:
+        engine.dispose()

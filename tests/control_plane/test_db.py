@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from sqlalchemy import Connection, create_engine, text
+from sqlalchemy import Connection
 
 from control_plane import services
 from control_plane.db import Database, make_engine
+from tests.control_plane.factories import writers_lock_held
 
 
 def _put(conn: Connection, *, user: str, rate: int) -> tuple[str, int]:
@@ -38,18 +39,12 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
     db_url: str,
 ) -> None:
     db = Database(make_engine(db_url))
-    outside = create_engine(db_url)
     seen: list[int] = []
     db.on_commit.append(seen.append)
 
     async def main() -> tuple[str, int]:
         await db.write(_put, user="alice", rate=5)  # the server is up (and SQLite in WAL)
-        with outside.connect() as conn:
-            if conn.dialect.name == "sqlite":
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                conn.begin()
-                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
+        with writers_lock_held(db_url) as conn:
             write = asyncio.ensure_future(db.write(_put, user="bob", rate=7))
             # The loop is not blocked: it keeps running other work while the write waits.
             for _ in range(20):
@@ -65,7 +60,6 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
     if db_url.startswith("sqlite"):
         with db.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
-    outside.dispose()
     db.dispose()
 
 
@@ -73,16 +67,10 @@ def test_reads_after_an_inline_write_do_not_take_the_write_lock(db_url: str) -> 
     """The loop's own connection wrote last; its next reads are plain reads, so they go
     on while another connection holds the write lock."""
     db = Database(make_engine(db_url))
-    outside = create_engine(db_url)
 
     async def main() -> list[int | None]:
         await db.write(_put, user="alice", rate=5)
-        with outside.connect() as conn:
-            if conn.dialect.name == "sqlite":
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                conn.begin()
-                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
+        with writers_lock_held(db_url) as conn:
             rates = []
             for _ in range(3):
                 view = await asyncio.wait_for(db.read(services.get_limit, user="alice"), 10)
@@ -91,5 +79,4 @@ def test_reads_after_an_inline_write_do_not_take_the_write_lock(db_url: str) -> 
         return rates
 
     assert asyncio.run(main()) == [5, 5, 5]
-    outside.dispose()
     db.dispose()

@@ -10,8 +10,8 @@ from itertools import pairwise
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, text
 
+from tests.control_plane.factories import writers_lock_held
 from tests.control_plane.served import free_port, kill_hard, serve
 
 WRITERS = 50
@@ -104,25 +104,17 @@ def test_serve_refuses_without_admin_token_and_warns_when_insecure(tmp_path: Pat
 def test_reads_go_on_while_another_writer_holds_the_lock(db_url: str, tmp_path: Path) -> None:
     """An operator's script (another process) holds the writers' lock: the served
     process keeps answering reads, and its PUT waits for the lock, then commits."""
-    outside = create_engine(db_url)
     with serve(db_url, tmp_path) as served, served.client() as http:
         http.put("/limits/early", json={"output_tokens_per_second": 3}).raise_for_status()
-        with outside.connect() as conn:
-            if conn.dialect.name == "sqlite":
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                conn.begin()
-                conn.execute(text("UPDATE config_state SET version = version WHERE id = 1"))
-            with ThreadPoolExecutor(1) as pool:
-                put = pool.submit(http.put, "/limits/late", json={"output_tokens_per_second": 4})
-                for _ in range(20):
-                    response = http.get("/limits/early")
-                    assert response.json()["effective_output_tokens_per_second"] == 3
-                    assert http.get("/limits?limit=5").json()["total"] == 1
-                # Every read above answered while the PUT was still waiting.
-                assert not put.done()
-                conn.rollback()
-                assert put.result(timeout=60).status_code == 200
+        with writers_lock_held(db_url) as conn, ThreadPoolExecutor(1) as pool:
+            put = pool.submit(http.put, "/limits/late", json={"output_tokens_per_second": 4})
+            for _ in range(20):
+                response = http.get("/limits/early")
+                assert response.json()["effective_output_tokens_per_second"] == 3
+                assert http.get("/limits?limit=5").json()["total"] == 1
+            # Every read above answered while the PUT was still waiting.
+            assert not put.done()
+            conn.rollback()
+            assert put.result(timeout=60).status_code == 200
         assert http.get("/limits/late").json()["effective_output_tokens_per_second"] == 4
         assert http.get("/default-limit").json()["version"] == 2
-    outside.dispose()
