@@ -18,6 +18,10 @@ a few ms with large sync batches), so the worker spins exactly as upstream
 does. A longer gap means the engine core is idle or waiting, and then parking
 costs one ZMQ wake-up (tens of microseconds) on a gap of milliseconds.
 
+After a step that scheduled no token there is no window at all: the engine
+core sends such a step only when every request was refused (it then waits
+for a budget to return, up to 50 ms), so the worker parks at once.
+
 Only the worker's input reader of an engine with limiting on is touched; the
 engine core's reader of worker results and every other queue keep vLLM's
 behaviour. If vLLM's internals differ from what this expects, the patch logs
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine_ext.config import OutputRateConfig
@@ -42,8 +47,14 @@ BUSY_WINDOW_S = 0.005
 _PATCHED_ATTR = "_output_rate_patched"
 
 
-def shorten_reader_spin(spin: Any, busy_window_s: float = BUSY_WINDOW_S) -> bool:
-    """Make a ``SpinCondition`` reader spin ``busy_window_s`` from the start of each wait.
+def shorten_reader_spin(
+    spin: Any,
+    busy_window_s: float = BUSY_WINDOW_S,
+    *,
+    park_at_once: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Make a ``SpinCondition`` reader spin ``busy_window_s`` from the start of each wait,
+    or not at all when ``park_at_once()`` says so at the start of the wait.
 
     Returns False (and changes nothing) if ``spin`` does not look like vLLM
     0.32.0's reader: a reader flag, float ``busy_loop_s`` and ``last_read``, a
@@ -67,7 +78,10 @@ def shorten_reader_spin(spin: Any, busy_window_s: float = BUSY_WINDOW_S) -> bool
         if spin.last_read != seen[0]:
             # Upstream measures the window from the read, before the model ran;
             # measuring from here makes it independent of the model's step time.
-            spin.last_read = seen[0] = time.monotonic()
+            now = time.monotonic()
+            if park_at_once():
+                now -= busy_window_s + 1.0  # the window is already over
+            spin.last_read = seen[0] = now
         return original_wait(*args, **kwargs)
 
     spin.busy_loop_s = busy_window_s
@@ -86,18 +100,40 @@ def park_idle_worker(worker_proc: Any) -> None:
         return  # a remote reader blocks on a ZMQ socket: nothing spins
     spin: Any = getattr(queue, "_spin_condition", None)
     upstream_s = getattr(spin, "busy_loop_s", None)
-    if not shorten_reader_spin(spin):
+    # [whether the last step the worker ran scheduled no token]
+    last_step_empty = [False]
+    if not shorten_reader_spin(spin, park_at_once=lambda: last_step_empty[0]):
         logger.warning(
             "output-rate: the worker's input queue reader is not the expected SpinCondition "
             "(vLLM internals changed?); it keeps vLLM's busy-poll while the engine is throttled"
         )
         return
+    _note_empty_steps(worker_proc.worker, last_step_empty)
     logger.info(
         "output-rate: worker input reader spins %.1f ms from the start of each wait "
-        "(vLLM: %s s from each read), then parks",
+        "(vLLM: %s s from each read), then parks; after a step with no token it parks at once",
         spin.busy_loop_s * 1000,
         upstream_s,
     )
+
+
+def _note_empty_steps(worker: Any, last_step_empty: list[bool]) -> None:
+    """Wrap ``worker.execute_model`` (once) to set ``last_step_empty[0]`` for each step.
+
+    Without that method (vLLM internals changed) the flag stays False: the worker keeps
+    the short window after every step.
+    """
+    execute_model = getattr(worker, "execute_model", None)
+    if not callable(execute_model) or getattr(execute_model, _PATCHED_ATTR, False):
+        return
+
+    def execute_model_noting_empty(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        last_step_empty[0] = num_tokens == 0
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    setattr(execute_model_noting_empty, _PATCHED_ATTR, True)
+    worker.execute_model = execute_model_noting_empty
 
 
 def patch_worker_proc() -> None:

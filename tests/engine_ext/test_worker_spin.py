@@ -117,6 +117,24 @@ def test_patched_reader_spins_a_short_window_from_the_start_of_each_wait(
     assert poller.calls == [0, 7]
 
 
+def test_patched_reader_parks_at_once_when_told_at_the_start_of_a_wait(
+    queues: tuple[MessageQueue, MessageQueue], clock: FakeClock
+) -> None:
+    spin = spin_of(queues[1])
+    spin.poller = poller = RecordingPoller()
+    park = [True]
+    assert shorten_reader_spin(spin, park_at_once=lambda: park[0])
+    spin.record_read()
+    spin.wait(timeout_ms=3)  # no time has passed, yet no window
+    assert poller.calls == [3]
+    park[0] = False
+    spin.wait(timeout_ms=4)  # asked at the start of a wait period only
+    assert poller.calls == [3, 4]
+    spin.record_read()  # a new period: the usual window again
+    spin.wait(timeout_ms=5)
+    assert poller.calls == [3, 4]
+
+
 def test_patch_is_idempotent_and_the_queue_still_delivers(
     queues: tuple[MessageQueue, MessageQueue],
 ) -> None:
@@ -148,11 +166,46 @@ def test_unexpected_objects_are_left_alone() -> None:
     assert writer_side.wait is print
 
 
+class StepRecorder:
+    """Stands in for the worker's model runner: records the steps it was given."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.steps: list[Any] = []
+
+    def execute_model(self, scheduler_output: Any) -> str:
+        self.steps.append(scheduler_output)
+        return "output"
+
+
 def worker_proc(vllm_config: Any, queue: Any) -> Any:
     proc: Any = object.__new__(WorkerProc)
-    proc.worker = SimpleNamespace(vllm_config=vllm_config)
+    proc.worker = StepRecorder(vllm_config)
     proc.rpc_broadcast_mq = queue
     return proc
+
+
+def test_a_step_with_no_token_makes_the_next_wait_park_at_once(
+    queues: tuple[MessageQueue, MessageQueue], clock: FakeClock
+) -> None:
+    reader = queues[1]
+    proc = worker_proc(LIMITED, reader)
+    park_idle_worker(proc)
+    park_idle_worker(proc)  # idempotent: execute_model is wrapped once
+    spin = spin_of(reader)
+    spin.poller = poller = RecordingPoller()
+    empty, busy = (
+        SimpleNamespace(total_num_scheduled_tokens=0),
+        SimpleNamespace(total_num_scheduled_tokens=8),
+    )
+    for step, parks in ((empty, True), (busy, False), (empty, True)):
+        del poller.calls[:]
+        clock.now += 0.01  # the next step arrives a little later
+        spin.record_read()
+        assert proc.worker.execute_model(step) == "output"
+        spin.wait(timeout_ms=1)
+        assert poller.calls == ([1] if parks else [])
+    assert proc.worker.steps == [empty, busy, empty]
 
 
 def test_only_a_limited_engine_worker_is_patched(
