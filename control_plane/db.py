@@ -112,7 +112,8 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.on_commit: list[Callable[[int], None]] = []
-        self._reads_inline = self._writes_inline = engine.dialect.name == "sqlite"
+        # SQLite: small reads and writes run on the event loop (see the module doc).
+        self._on_loop = engine.dialect.name == "sqlite"
         # One thread runs every request's write: writers serialize on the database's
         # lock anyway, so they queue here instead of parking worker threads on it,
         # and a one-thread executor is the cheapest hop off the loop.
@@ -142,7 +143,7 @@ class Database:
     async def read(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
     ) -> T:
-        if self._reads_inline:
+        if self._on_loop:
             conn = self._inline_connection()
             try:
                 return fn(conn, *a, **kw)
@@ -163,7 +164,7 @@ class Database:
         """A small write (one user, one tier). On SQLite it runs on the event loop when
         the write lock is free at once (a write there costs less than the hop to a
         thread); if another writer holds it, it queues on the writer thread instead."""
-        if self._writes_inline:
+        if self._on_loop:
             try:
                 result, version = self._write(lambda conn: fn(conn, *a, **kw), wait=False)
             except _WriteLockBusy:
