@@ -22,6 +22,7 @@ The upstream ``schedule()`` is wrapped, never copied:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -360,13 +361,11 @@ class OutputRateMixin:
 
     def _settle(self, plan: _StepPlan, output: SchedulerOutput, step: int) -> None:
         scheduled = output.num_scheduled_tokens
-        unsampled = [r for r in plan.charged if r.request_id not in scheduled or r.is_prefill_chunk]
-        if plan.charged_waiting:
-            unsampled += [
-                r
-                for r in plan.charged_waiting
-                if r.request_id not in scheduled or r.is_prefill_chunk
-            ]
+        unsampled = [
+            r
+            for r in itertools.chain(plan.charged, plan.charged_waiting)
+            if r.request_id not in scheduled or r.is_prefill_chunk
+        ]
         refund = self.output_rate_limiter.refund
         for request in unsampled:
             refund(request.output_rate_user)  # type: ignore[attr-defined]
@@ -379,8 +378,7 @@ class OutputRateMixin:
     def _count_granted(self, plan: _StepPlan, unsampled: list[Request]) -> None:
         num_granted = self.num_granted
         num_sampled = Counter(
-            [r.output_rate_user for r in plan.charged]  # type: ignore[attr-defined]
-            + [r.output_rate_user for r in plan.charged_waiting]  # type: ignore[attr-defined]
+            [r.output_rate_user for r in itertools.chain(plan.charged, plan.charged_waiting)]  # type: ignore[attr-defined]
         )
         num_sampled.subtract([r.output_rate_user for r in unsampled])  # type: ignore[attr-defined]
         for user, num in num_sampled.items():
