@@ -84,10 +84,11 @@ async def streams(
         )
 
 
-def throughput(url: str, num_streams: int, max_tokens: int) -> float:
+def throughput(url: str, num_streams: int, max_tokens: int, *, user: str | None = None) -> float:
+    """Tokens/s of ``num_streams`` concurrent streams, after waiting ``SETTLE_S``."""
     time.sleep(SETTLE_S)
     start = time.monotonic()
-    results = asyncio.run(streams(url, None, num_streams, max_tokens))
+    results = asyncio.run(streams(url, user, num_streams, max_tokens))
     elapsed = time.monotonic() - start
     return sum(r.completion_tokens for r in results) / elapsed
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.e2e_bench import throughput
 from tests.e2e.client import stream_completion
 from tests.e2e.servers import Process, free_port, vllm_command, vllm_env
 
@@ -63,7 +64,6 @@ WORKER_PATCH_LOG = "output-rate: worker input reader spins"
 THROTTLED_USERS = 8
 TOKENS = 200
 STREAMS = (1, 16)
-SETTLE_S = 1.5
 
 
 class Server(Process):
@@ -116,21 +116,6 @@ def cpu_by_role(root_pid: int) -> dict[str, float]:
         role = "engine_core" if "EngineCor" in name else ("worker" if "Wor" in name else "other")
         totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
-
-
-def throughput(url: str, num_streams: int) -> float:
-    async def main() -> float:
-        async with httpx.AsyncClient(timeout=600) as client:
-            start = time.monotonic()
-            results = await asyncio.gather(
-                *(
-                    stream_completion(client, url, user="fast", max_tokens=TOKENS)
-                    for _ in range(num_streams)
-                )
-            )
-            return sum(r.completion_tokens for r in results) / (time.monotonic() - start)
-
-    return asyncio.run(main())
 
 
 def throttled_cpu(server: Server, window_s: float) -> dict[str, float]:
@@ -220,7 +205,7 @@ def main() -> None:
         pair = ("patched", "engine wait only")
         for name in pair:  # warm-up
             for server in servers[name]:
-                throughput(server.url, 4)
+                throughput(server.url, 4, TOKENS, user="fast")
         tput: dict[str, list[dict[int, list[float]]]] = {
             name: [{n: [] for n in STREAMS} for _ in servers[name]] for name in pair
         }
@@ -228,10 +213,8 @@ def main() -> None:
             for n in STREAMS:
                 for k in range(2):  # each pair back to back, so a burst of load hits both
                     for name in pair if (i + k) % 2 == 0 else pair[::-1]:
-                        # An unpatched worker busy-polls for 1 s after its last step;
-                        # on a 2-core machine that would slow the next server's run.
-                        time.sleep(SETTLE_S)
-                        tput[name][k][n].append(throughput(servers[name][k].url, n))
+                        url = servers[name][k].url
+                        tput[name][k][n].append(throughput(url, n, TOKENS, user="fast"))
             print(
                 "round",
                 i + 1,
