@@ -27,14 +27,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_ext.config import OutputRateConfig
 from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
+from engine_ext.waiting import UserIndexedQueue
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -46,9 +47,9 @@ USER_ARG = "output_rate_user"
 MAX_WAIT_S = 0.05
 # How often idle limiter state and rotation bookkeeping are pruned.
 CLEANUP_INTERVAL_STEPS = 256
-# Bound on waiting requests examined per step, so a deep queue of throttled
-# users' requests cannot make every step O(queue).
-MAX_WAITING_SCAN = 1024
+# Steps during which a request re-admitted after a slot reclaim cannot be
+# reclaimed again (see docs/scheduler.md, "Slot reclaim").
+RECLAIM_COOLDOWN_STEPS = 32
 USAGE_REPORT_INTERVAL_NS = 1_000_000_000
 
 
@@ -65,9 +66,7 @@ class _StepPlan:
 
     __slots__ = (
         "charged",
-        "charged_waiting",
         "granted_by_user",
-        "held_waiting",
         "parked",
         "throttled",
     )
@@ -75,16 +74,56 @@ class _StepPlan:
     def __init__(self) -> None:
         # Running requests charged one token this step.
         self.charged: list[Request] = []
-        # Waiting requests charged one token and offered to upstream admission.
-        self.charged_waiting: list[Request] = []
         # user -> that user's charged running requests; built only when needed.
         self.granted_by_user: dict[str, list[Request]] | None = None
-        # Running requests refused a token; skipped this step.
+        # Running requests refused a token; skipped this step, still resident.
         self.throttled: list[Request] = []
         # Running requests with a token but no active slot; skipped, refunded.
         self.parked: list[Request] = []
-        # Waiting requests held back from admission, in queue order.
-        self.held_waiting: list[Request] = []
+
+
+class _AdmissionGate:
+    """Charges a waiting request's user when upstream's admission loop reaches it.
+
+    Installed on the waiting queues for one ``schedule()``. A user refused once
+    stays refused for the step, so the rest of its queue costs nothing.
+    """
+
+    __slots__ = ("charged", "limiter", "note_refused", "refused")
+
+    def __init__(
+        self,
+        limiter: OutputRateLimiter,
+        refused: set[str],
+        note_refused: Callable[[str, int], None],
+    ) -> None:
+        self.limiter = limiter
+        self.refused = refused
+        self.note_refused = note_refused
+        # request id -> waiting request charged one token this step.
+        self.charged: dict[str, Request] = {}
+
+    def admits(self, user: str, request: Request) -> bool:
+        if request.request_id in self.charged:
+            return True
+        if user in self.refused:
+            return False
+        if self.limiter.try_take(user):
+            self.charged[request.request_id] = request
+            return True
+        self.refused.add(user)
+        self.note_refused(user, 1)
+        return False
+
+
+@dataclass
+class ReclaimStats:
+    """Slots taken back from throttled requests since the engine started."""
+
+    num_reclaims: int = 0
+    # Tokens the reclaimed requests had computed; recomputed on re-admission
+    # unless the prefix cache still holds their blocks.
+    num_tokens_dropped: int = 0
 
 
 class OutputRateMixin:
@@ -95,11 +134,14 @@ class OutputRateMixin:
 
     running: list[Request]
     waiting: Any
+    kv_holding_waiting: Any
     requests: dict[str, Request]
     current_step: int
     max_num_active_reqs: int
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
+    num_waiting_for_streaming_input: int
+    requires_kv_delivery: bool
     policy: Any
 
     def _init_output_rate(self, vllm_config: Any) -> None:
@@ -112,11 +154,24 @@ class OutputRateMixin:
         self.output_rate_wakeup_ns: int | None = None
         # Set by the EngineCore patch; called (from any thread) to end an idle wait.
         self.wake_engine: Callable[[], None] = lambda: None
+        # request id -> rate-limit identity, for every request added and not
+        # yet pruned (finished requests go at the next cleanup).
+        self.output_rate_users: dict[str, str] = {}
+        # Both waiting queues, indexed by user so that a step's admission
+        # costs O(users with waiting requests), not O(waiting requests).
+        user_of = self._user_of
+        self.waiting = UserIndexedQueue(self.policy, user_of)
+        self.kv_holding_waiting = UserIndexedQueue(self.policy, user_of)
         # user -> request id of the stream that was served last (rotation).
         self._last_served_req: dict[str, str] = {}
         # user -> last step in which it was given an active slot while slots
         # were short (fairness across users).
         self._last_slot_step: dict[str, int] = {}
+        # Ids of reclaimed requests not re-admitted yet.
+        self._reclaimed: set[str] = set()
+        # request id -> first step in which it may be reclaimed again.
+        self._reclaim_protected_until: dict[str, int] = {}
+        self.reclaim_stats = ReclaimStats()
         # user -> tokens granted / requests throttled since the last usage report.
         self.num_granted: dict[str, int] = {}
         self.num_throttled: dict[str, int] = {}
@@ -133,10 +188,13 @@ class OutputRateMixin:
             limiter.default_rate, limiter.user_rates(), clock_ns=clock_ns
         )
 
+    def _user_of(self, request: Request) -> str:
+        return self.output_rate_users[request.request_id]
+
     # ---- vLLM hooks -----------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        request.output_rate_user = request_user(request)  # type: ignore[attr-defined]
+        self.output_rate_users.setdefault(request.request_id, request_user(request))
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
@@ -151,18 +209,24 @@ class OutputRateMixin:
         step = self.current_step + 1
         self.output_rate_wakeup_ns = None
         self._plan_running(plan, step)
-        saved_waiting = self._hold_back_waiting(plan)
+        refused: set[str] = set()
+        if self.waiting and plan.throttled:
+            self._steal_turns_for_waiting(plan)
+            refused = self._reclaim_slots(plan, step)
         self._skip_running(plan, step)
+        gate = _AdmissionGate(limiter, refused, self._note_refused)
         saved_active_cap = self.max_num_active_reqs
         if plan.throttled:
             self.max_num_active_reqs = self._admission_cap(plan)
+        self.waiting.install_gate(gate)
+        self.kv_holding_waiting.install_gate(gate)
         try:
             output = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = saved_active_cap
-            if saved_waiting is not None:
-                self._restore_waiting(saved_waiting, plan)
-        self._settle(plan, output, step)
+            self.waiting.remove_gate()
+            self.kv_holding_waiting.remove_gate()
+        self._settle(plan, gate, output, step)
         return output
 
     # ---- pre-pass ---------------------------------------------------------
@@ -170,6 +234,7 @@ class OutputRateMixin:
     def _plan_running(self, plan: _StepPlan, step: int) -> None:
         """Charge every running request whose dispatch this step would sample."""
         max_chunk = self.max_num_scheduled_tokens
+        users = self.output_rate_users
         # Until someone is refused, every dispatchable request is charged.
         charged = plan.charged
         charge = charged.append
@@ -179,6 +244,7 @@ class OutputRateMixin:
             num_remaining = (
                 request.num_tokens_with_spec + num_placeholders - request.num_computed_tokens
             )
+            # Upstream's running loop skips these (decode cadence).
             if num_remaining <= 0 or step < request.next_decode_eligible_step:
                 continue
             if num_remaining > max_chunk:
@@ -193,7 +259,7 @@ class OutputRateMixin:
             charge(request)
         # One limiter call per step: a user with several streams asks for all
         # of their tokens at once.
-        num_wanted = Counter([r.output_rate_user for r in charged])  # type: ignore[attr-defined]
+        num_wanted = Counter([users[r.request_id] for r in charged])
         num_got = self.output_rate_limiter.take_many(num_wanted)
         if num_got:
             self._rotate_contended(plan, num_got)
@@ -205,6 +271,7 @@ class OutputRateMixin:
         ``num_got`` maps each such user to the tokens it got. The same number of
         tokens goes to the streams that come first after the one served last.
         """
+        users = self.output_rate_users
         # user -> its dispatchable streams in ``running`` order; filled in the
         # order in which the users ran out, which is also the order their
         # throttled streams go to the tail of ``running``.
@@ -212,7 +279,7 @@ class OutputRateMixin:
         refused: dict[str, list[Request]] = {}
         kept: list[Request] = []
         for request in plan.charged:
-            user = request.output_rate_user  # type: ignore[attr-defined]
+            user = users[request.request_id]
             streams = streams_of.get(user)
             if streams is None:
                 kept.append(request)
@@ -229,6 +296,132 @@ class OutputRateMixin:
             plan.throttled.extend(streams[num_granted:])
             self._note_refused(user, len(streams) - num_granted)
         plan.charged = kept
+
+    def _num_free_slots(self) -> int:
+        """Worker slots nobody holds (paused streaming sessions hold one too)."""
+        return self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+
+    def _num_free_active_slots(self, plan: _StepPlan) -> int:
+        """Admissions the active limit allows this step, were worker slots unbounded."""
+        num_slots_used = len(self.running) + self.num_waiting_for_streaming_input
+        return self.max_num_active_reqs + len(plan.throttled) - num_slots_used
+
+    def _steal_turns_for_waiting(self, plan: _StepPlan) -> None:
+        """Give a token granted to a running stream to the user's first waiting one.
+
+        A waiting stream has never been served, so in the user's rotation it
+        comes before every running stream; without this, running streams that
+        keep the budget busy would starve the user's queued requests forever.
+        Only where a slot is free for it: a user's throttled requests are never
+        reclaimed for the same user, so without a free slot the turn would be
+        lost.
+        """
+        num_free = min(self._num_free_slots(), self._num_free_active_slots(plan))
+        if num_free <= 0 or not plan.charged:
+            return
+        by_user = self._granted_by_user(plan)
+        num_available = self.output_rate_limiter.num_available
+        for user in self.waiting.users():
+            streams = by_user.get(user)
+            if not streams or num_available(user, 1):
+                continue
+            victim = streams.pop()
+            plan.charged.remove(victim)
+            plan.throttled.append(victim)
+            self.output_rate_limiter.refund(user)
+            self._note_refused(user, 1)
+            num_free -= 1
+            if not num_free:
+                return
+
+    def _reclaim_slots(self, plan: _StepPlan, step: int) -> set[str]:
+        """Free worker slots held by throttled requests for users who have budget.
+
+        Throttled requests hold worker slots between their tokens; when they
+        hold every slot, a waiting request of a user with budget could never
+        be admitted. Such slots are taken back through upstream's own
+        preemption: the victim frees its KV blocks (or leaves them in the
+        prefix cache), goes back to the front of the waiting queue and resumes
+        with no output lost. Returns the users reclaimed from, which may not be
+        admitted again in this step.
+        """
+        num_free_active = self._num_free_active_slots(plan)
+        num_free = self._num_free_slots()
+        if num_free_active <= max(num_free, 0):
+            return set()
+        admissible_users, num_admissible = self._admissible_waiting(num_free_active)
+        num_wanted = min(num_admissible, num_free_active) - max(num_free, 0)
+        if num_wanted <= 0:
+            return set()
+        victims = self._pick_reclaim_victims(plan, num_wanted, admissible_users, step)
+        if not victims:
+            return set()
+        victim_ids = {id(r) for r in victims}
+        self.running = [r for r in self.running if id(r) not in victim_ids]
+        plan.throttled = [r for r in plan.throttled if id(r) not in victim_ids]
+        timestamp = time.monotonic()
+        stats = self.reclaim_stats
+        for victim in victims:
+            stats.num_reclaims += 1
+            stats.num_tokens_dropped += victim.num_computed_tokens
+            self._reclaimed.add(victim.request_id)
+            self._preempt_request(  # type: ignore[attr-defined]
+                victim, timestamp, drop_stale_output=self.requires_kv_delivery
+            )
+        return {self.output_rate_users[r.request_id] for r in victims}
+
+    def _admissible_waiting(self, limit: int) -> tuple[set[str], int]:
+        """Users with waiting requests and budget, and how many of those requests
+        (up to ``limit``) their budgets cover now. Costs O(users waiting)."""
+        num_available = self.output_rate_limiter.num_available
+        users: set[str] = set()
+        total = 0
+        for queue in (self.kv_holding_waiting, self.waiting):
+            for user in queue.users():
+                num = num_available(user, min(limit, queue.num_requests_of(user)))
+                if num:
+                    users.add(user)
+                    total += num
+                    if total >= limit:
+                        return users, total
+        return users, total
+
+    def _pick_reclaim_victims(
+        self, plan: _StepPlan, num_wanted: int, spare_users: set[str], step: int
+    ) -> list[Request]:
+        """Up to ``num_wanted`` throttled requests to reclaim.
+
+        From the user holding the most throttled resident requests; ties go to
+        the user whose budget returns last (it loses least by waiting in the
+        queue), then by user id so the choice is deterministic. Within a user,
+        the request with the fewest computed tokens (cheapest to recompute;
+        ties: the one that arrived last, as upstream's own preemption prefers).
+        Never a request of a user in ``spare_users`` (users about to be
+        admitted), and never one re-admitted after a reclaim less than
+        ``RECLAIM_COOLDOWN_STEPS`` ago.
+        """
+        users = self.output_rate_users
+        protected = self._reclaim_protected_until
+        # user -> its reclaimable throttled requests, cheapest last.
+        candidates: dict[str, list[Request]] = {}
+        for request in plan.throttled:
+            user = users[request.request_id]
+            if user in spare_users or protected.get(request.request_id, 0) > step:
+                continue
+            candidates.setdefault(user, []).append(request)
+        if not candidates:
+            return []
+        for requests in candidates.values():
+            requests.sort(key=lambda r: (-r.num_computed_tokens, r.arrival_time))
+        ready_at = self.output_rate_limiter.ready_at_ns
+        victims: list[Request] = []
+        while len(victims) < num_wanted and candidates:
+            user = max(candidates, key=lambda u: (len(candidates[u]), ready_at(u), u))
+            requests = candidates[user]
+            victims.append(requests.pop())
+            if not requests:
+                del candidates[user]
+        return victims
 
     def _skip_running(self, plan: _StepPlan, step: int) -> None:
         skipped = plan.parked + plan.throttled
@@ -288,9 +481,10 @@ class OutputRateMixin:
 
     def _granted_by_user(self, plan: _StepPlan) -> dict[str, list[Request]]:
         if plan.granted_by_user is None:
+            users = self.output_rate_users
             by_user: dict[str, list[Request]] = {}
             for request in plan.charged:
-                by_user.setdefault(request.output_rate_user, []).append(request)  # type: ignore[attr-defined]
+                by_user.setdefault(users[request.request_id], []).append(request)
             plan.granted_by_user = by_user
         return plan.granted_by_user
 
@@ -300,94 +494,53 @@ class OutputRateMixin:
         if self.output_rate_wakeup_ns is None or ready_at < self.output_rate_wakeup_ns:
             self.output_rate_wakeup_ns = ready_at
 
-    def _hold_back_waiting(self, plan: _StepPlan) -> Any:
-        """Charge the waiting requests upstream may admit; hide the rest.
-
-        Returns the original waiting queue (now holding only the unexamined
-        tail) when upstream is given a filtered queue, else None.
-        """
-        if not self.waiting:
-            return None
-        limiter = self.output_rate_limiter
-        original = self.waiting
-        offered = create_request_queue(self.policy)
-        refused_users: set[str] = set()
-        num_scanned = 0
-        while (
-            original
-            and len(offered) < self._admission_cap(plan) - len(self.running)
-            and num_scanned < MAX_WAITING_SCAN
-        ):
-            request = original.pop_request()
-            num_scanned += 1
-            user = request.output_rate_user
-            has_budget = user not in refused_users and limiter.try_take(user)
-            if has_budget or self._steal_turn(plan, user):
-                plan.charged_waiting.append(request)
-                offered.add_request(request)
-            else:
-                if user not in refused_users:
-                    refused_users.add(user)
-                    self._note_refused(user, 1)
-                plan.held_waiting.append(request)
-        self.waiting = offered
-        return original
-
-    def _steal_turn(self, plan: _StepPlan, user: str) -> bool:
-        """Give a token granted to one of ``user``'s running streams to a waiting one.
-
-        A waiting stream has never been served, so in the user's rotation it
-        comes before every running stream; without this, running streams that
-        keep the budget busy would starve the user's queued requests forever.
-        """
-        streams = self._granted_by_user(plan).get(user)
-        if not streams:
-            return False
-        victim = streams.pop()
-        plan.charged.remove(victim)
-        plan.throttled.append(victim)
-        self._note_refused(user, 1)
-        return True
-
-    def _restore_waiting(self, original: Any, plan: _StepPlan) -> None:
-        # What upstream left in the offered queue (not admitted, skipped, or
-        # preempted this step) goes back in front, then the held-back ones.
-        leftover = list(self.waiting)
-        front = leftover + plan.held_waiting
-        original.prepend_requests(reversed(front))
-        self.waiting = original
-
     # ---- the single refund point ------------------------------------------
 
-    def _settle(self, plan: _StepPlan, output: SchedulerOutput, step: int) -> None:
+    def _settle(
+        self, plan: _StepPlan, gate: _AdmissionGate, output: SchedulerOutput, step: int
+    ) -> None:
         scheduled = output.num_scheduled_tokens
-        unsampled = [
-            r
-            for r in itertools.chain(plan.charged, plan.charged_waiting)
-            if r.request_id not in scheduled or r.is_prefill_chunk
-        ]
+        users = self.output_rate_users
+        charged = list(itertools.chain(plan.charged, gate.charged.values()))
+        unsampled = [r for r in charged if r.request_id not in scheduled or r.is_prefill_chunk]
         refund = self.output_rate_limiter.refund
         for request in unsampled:
-            refund(request.output_rate_user)  # type: ignore[attr-defined]
+            refund(users[request.request_id])
+        if self._reclaimed:
+            self._protect_readmitted(gate, scheduled, step)
         if self.push_client is not None:
-            self._count_granted(plan, unsampled)
+            self._count_granted(charged, unsampled)
         if step % CLEANUP_INTERVAL_STEPS == 0:
             self._cleanup()
         self._maybe_report_usage()
 
-    def _count_granted(self, plan: _StepPlan, unsampled: list[Request]) -> None:
+    def _protect_readmitted(self, gate: _AdmissionGate, scheduled: Any, step: int) -> None:
+        """Reclaimed requests admitted again are not reclaimed for a while (no thrashing)."""
+        for req_id in gate.charged:
+            if req_id in self._reclaimed and req_id in scheduled:
+                self._reclaimed.discard(req_id)
+                self._reclaim_protected_until[req_id] = step + RECLAIM_COOLDOWN_STEPS
+
+    def _count_granted(self, charged: list[Request], unsampled: list[Request]) -> None:
+        users = self.output_rate_users
         num_granted = self.num_granted
-        num_sampled = Counter(
-            [r.output_rate_user for r in itertools.chain(plan.charged, plan.charged_waiting)]  # type: ignore[attr-defined]
-        )
-        num_sampled.subtract([r.output_rate_user for r in unsampled])  # type: ignore[attr-defined]
+        num_sampled = Counter([users[r.request_id] for r in charged])
+        num_sampled.subtract([users[r.request_id] for r in unsampled])
         for user, num in num_sampled.items():
             if num > 0:
                 num_granted[user] = num_granted.get(user, 0) + num
 
     def _cleanup(self) -> None:
         self.output_rate_limiter.cleanup_idle_users()
-        live_users = {r.output_rate_user for r in self.requests.values()}  # type: ignore[attr-defined]
+        live = self.requests
+        for req_id in [r for r in self.output_rate_users if r not in live]:
+            del self.output_rate_users[req_id]
+        self._reclaimed.intersection_update(live)
+        protected = self._reclaim_protected_until
+        step = self.current_step
+        for req_id in [r for r, until in protected.items() if until <= step or r not in live]:
+            del protected[req_id]
+        live_users = set(self.output_rate_users.values())
         for table in (self._last_served_req, self._last_slot_step):
             for user in [u for u in table if u not in live_users]:
                 del table[user]
