@@ -108,7 +108,9 @@ def test_reclaimed_streams_finish_with_unchanged_output_and_exact_accounting(
             victims.append(make_request(f"v{len(victims) % 5}", max_tokens=5))
             sched.add_request(victims[-1])
 
-    trace = drive(sched, num_steps=900, clock=clock, step_ms=10, on_step=arrive, token_id=POSITIONAL)
+    trace = drive(
+        sched, num_steps=900, clock=clock, step_ms=10, on_step=arrive, token_id=POSITIONAL
+    )
     everyone = hog + victims
     assert trace.finished == {r.request_id for r in everyone}
     assert len(reclaims) >= 10, "the run should exercise slot reclaim"
@@ -118,7 +120,10 @@ def test_reclaimed_streams_finish_with_unchanged_output_and_exact_accounting(
         assert list(r.output_token_ids) == expected_output(r), r.request_id
     # Every charged token was sampled: refunds and re-admissions lose nothing.
     sampled = Counter(
-        r.sampling_params.extra_args["output_rate_user"] for r in everyone for _ in r.output_token_ids
+        {
+            user: sum(len(r.output_token_ids) for r in everyone if users_of([r]) == {user})
+            for user in users_of(everyone)
+        }
     )
     assert +spy.net_taken == +sampled
     assert_window_bound(tokens_of(trace, hog), 100)
