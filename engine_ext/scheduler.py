@@ -210,9 +210,11 @@ class OutputRateMixin:
         self.output_rate_wakeup_ns = None
         self._plan_running(plan, step)
         refused: set[str] = set()
-        if self.waiting and plan.throttled:
-            self._steal_turns_for_waiting(plan)
-            refused = self._reclaim_slots(plan, step)
+        if self.waiting:
+            if plan.charged:
+                self._steal_turns_for_waiting(plan)
+            if plan.throttled:
+                refused = self._reclaim_slots(plan, step)
         self._skip_running(plan, step)
         gate = _AdmissionGate(limiter, refused, self._note_refused)
         saved_active_cap = self.max_num_active_reqs
