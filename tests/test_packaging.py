@@ -80,10 +80,12 @@ def _input_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)  # type: ignore[call-overload]
+def _run(
+    cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
-    return result  # type: ignore[no-any-return]
+    return result
 
 
 @dataclass(frozen=True)
