@@ -25,10 +25,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_summary_masks_the_password_and_says_what_is_on() -> None:
-    _, secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
     settings = Settings(
         database_url="postgresql+psycopg://limits:s3cr3t@db.internal:5432/limits",
         zmq_secret_key=secret.decode(),  # type: ignore[arg-type]
+        zmq_public_key=public.decode(),
         _env_file=None,  # type: ignore[call-arg]
     )
     text = startup_summary(settings, "0.0.0.0", 8800, "tcp://0.0.0.0:5557", auth=True)
