@@ -82,11 +82,13 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def safe_database_url(url: str) -> str:
-    """The database URL as it may be shown: the password masked."""
+    """The database URL as it may be shown: the password masked (also as a query option)."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except ArgumentError:
         return "<unparsable URL>"
+    query = {k: "***" if "password" in k.lower() else v for k, v in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True)
 
 
 def startup_summary(

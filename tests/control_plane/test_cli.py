@@ -46,8 +46,13 @@ def test_summary_masks_the_password_and_says_what_is_on() -> None:
     assert "CURVE OFF" in text
 
 
-def test_unparsable_url_is_not_echoed() -> None:
+def test_passwords_are_never_shown() -> None:
     assert safe_database_url("not a url s3cr3t") == "<unparsable URL>"
+    shown = safe_database_url("postgresql+psycopg://u@db/x?Password=s3cr3t&sslmode=require")
+    assert "s3cr3t" not in shown
+    assert shown.startswith("postgresql+psycopg://u@db/x?Password=")
+    assert shown.endswith("&sslmode=require")
+    assert safe_database_url("sqlite:///./output_rate.db") == "sqlite:///./output_rate.db"
 
 
 def test_db_upgrade_from_any_folder_needs_no_checkout_files(tmp_path: Path) -> None:
