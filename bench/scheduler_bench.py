@@ -10,7 +10,7 @@ Two schedulers holding the same requests can differ by several percent in
 step time from where their objects landed in memory alone, so each variant is
 built ``--builds`` times and every build runs in every round; the figure is
 the median over all of them. The last column times the plugin's own code
-(pre-pass, waiting hold-back, skip, settle) inside the same steps: the part of
+(pre-pass, turn stealing, slot reclaim, skip, settle) inside the same steps: the part of
 the difference that is the plugin's work rather than memory layout.
 
 Run: .venv/bin/python -m bench.scheduler_bench [--steps N] [--rounds K] [--builds B]
@@ -28,7 +28,13 @@ from engine_ext.scheduler import OutputRateMixin
 from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
 
 # The mixin methods that run around upstream's schedule() in every step.
-OWN_CODE = ("_plan_running", "_hold_back_waiting", "_skip_running", "_settle")
+OWN_CODE = (
+    "_plan_running",
+    "_steal_turns_for_waiting",
+    "_reclaim_slots",
+    "_skip_running",
+    "_settle",
+)
 
 
 def build(num_running: int, *, limited: bool, throttled: bool = False) -> Any:

@@ -171,6 +171,7 @@ class OutputRateMixin:
         self._reclaimed: set[str] = set()
         # request id -> first step in which it may be reclaimed again.
         self._reclaim_protected_until: dict[str, int] = {}
+        self.reclaim_cooldown_steps = RECLAIM_COOLDOWN_STEPS
         self.reclaim_stats = ReclaimStats()
         # user -> tokens granted / requests throttled since the last usage report.
         self.num_granted: dict[str, int] = {}
@@ -521,7 +522,7 @@ class OutputRateMixin:
         for req_id in gate.charged:
             if req_id in self._reclaimed and req_id in scheduled:
                 self._reclaimed.discard(req_id)
-                self._reclaim_protected_until[req_id] = step + RECLAIM_COOLDOWN_STEPS
+                self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
 
     def _count_granted(self, charged: list[Request], unsampled: list[Request]) -> None:
         users = self.output_rate_users
