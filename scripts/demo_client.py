@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -248,10 +249,8 @@ def main() -> None:
     parser.add_argument("--refresh", type=float, default=0.5)
     parser.add_argument("--forever", action="store_true", help="keep a light load until Ctrl-C")
     args = parser.parse_args()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(args))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":
