@@ -349,14 +349,13 @@ class OutputRateMixin:
         admitted again in this step.
         """
         num_free_active = self._num_free_active_slots(plan)
-        num_free = self._num_free_slots()
-        if num_free_active <= max(num_free, 0):
+        num_free = max(self._num_free_slots(), 0)
+        if num_free_active <= num_free:
             return set()
-        admissible_users, num_admissible = self._admissible_waiting(num_free_active)
-        num_wanted = min(num_admissible, num_free_active) - max(num_free, 0)
-        if num_wanted <= 0:
+        admissible = self._admissible_waiting(num_free_active)
+        if sum(admissible.values()) <= num_free:
             return set()
-        victims = self._pick_reclaim_victims(plan, num_wanted, admissible_users, step)
+        victims = self._pick_reclaim_victims(plan, admissible, num_free_active, num_free, step)
         if not victims:
             return set()
         victim_ids = {id(r) for r in victims}
@@ -373,55 +372,69 @@ class OutputRateMixin:
             )
         return {self.output_rate_users[r.request_id] for r in victims}
 
-    def _admissible_waiting(self, limit: int) -> tuple[set[str], int]:
-        """Users with waiting requests and budget, and how many of those requests
-        (up to ``limit``) their budgets cover now. Costs O(users waiting)."""
+    def _admissible_waiting(self, limit: int) -> dict[str, int]:
+        """user -> how many of its waiting requests (up to ``limit`` in all) its
+        budget covers now, for users with budget. Costs O(users waiting)."""
         num_available = self.output_rate_limiter.num_available
-        users: set[str] = set()
+        admissible: dict[str, int] = {}
         total = 0
         for queue in (self.kv_holding_waiting, self.waiting):
             for user in queue.users():
                 num = num_available(user, min(limit, queue.num_requests_of(user)))
                 if num:
-                    users.add(user)
+                    admissible[user] = admissible.get(user, 0) + num
                     total += num
                     if total >= limit:
-                        return users, total
-        return users, total
+                        return admissible
+        return admissible
 
     def _pick_reclaim_victims(
-        self, plan: _StepPlan, num_wanted: int, spare_users: set[str], step: int
+        self,
+        plan: _StepPlan,
+        admissible: dict[str, int],
+        num_free_active: int,
+        num_free: int,
+        step: int,
     ) -> list[Request]:
-        """Up to ``num_wanted`` throttled requests to reclaim.
+        """The throttled requests to reclaim so that ``admissible`` waiting
+        requests (user -> count) find worker slots.
 
         From the user holding the most throttled resident requests; ties go to
         the user whose budget returns last (it loses least by waiting in the
         queue), then by user id so the choice is deterministic. Within a user,
         the request with the fewest computed tokens (cheapest to recompute;
         ties: the one that arrived last, as upstream's own preemption prefers).
-        Never a request of a user in ``spare_users`` (users about to be
-        admitted), and never one re-admitted after a reclaim less than
-        ``RECLAIM_COOLDOWN_STEPS`` ago.
+        A user reclaimed from is not admitted in this step, so its own waiting
+        requests never take a slot reclaimed from it: a user whose waiting
+        requests are the demand is not a victim for them. Never a request
+        re-admitted after a reclaim less than ``reclaim_cooldown_steps`` ago.
         """
         users = self.output_rate_users
         protected = self._reclaim_protected_until
         # user -> its reclaimable throttled requests, cheapest last.
         candidates: dict[str, list[Request]] = {}
         for request in plan.throttled:
-            user = users[request.request_id]
-            if user in spare_users or protected.get(request.request_id, 0) > step:
+            if protected.get(request.request_id, 0) > step:
                 continue
-            candidates.setdefault(user, []).append(request)
-        if not candidates:
-            return []
+            candidates.setdefault(users[request.request_id], []).append(request)
         for requests in candidates.values():
             requests.sort(key=lambda r: (-r.num_computed_tokens, r.arrival_time))
         ready_at = self.output_rate_limiter.ready_at_ns
         victims: list[Request] = []
-        while len(victims) < num_wanted and candidates:
+        victim_users: set[str] = set()
+
+        def num_needed(excluded: set[str]) -> int:
+            demand = sum(n for u, n in admissible.items() if u not in excluded)
+            return min(demand, num_free_active) - num_free
+
+        while candidates and len(victims) < num_needed(victim_users):
             user = max(candidates, key=lambda u: (len(candidates[u]), ready_at(u), u))
+            if user not in victim_users and len(victims) >= num_needed(victim_users | {user}):
+                del candidates[user]  # taking from it only removes its own demand
+                continue
             requests = candidates[user]
             victims.append(requests.pop())
+            victim_users.add(user)
             if not requests:
                 del candidates[user]
         return victims
