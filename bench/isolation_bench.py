@@ -154,10 +154,10 @@ def run_victim_load(url: str, out_dir: Path, label: str) -> dict[str, float]:
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     result = json.loads((out_dir / f"{label}.json").read_text())
-    assert result["completed"] == NUM_VICTIM_REQUESTS, result["completed"]
     figures = {f"{p}_{m}": float(result[f"{p}_{m}_ms"]) for m in METRICS for p in PERCENTILES}
     # The three slowest first tokens, to tell one outlier from a shifted tail.
     figures["max3_ttft"] = sorted(1000 * t for t in result["ttfts"])[-3:]  # type: ignore[assignment]
+    figures["failed"] = float(NUM_VICTIM_REQUESTS - result["completed"])
     return figures
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
 from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
 from engine_ext.waiting import UserIndexedQueue
@@ -141,10 +142,10 @@ class OutputRateMixin:
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
     num_waiting_for_streaming_input: int
-    requires_kv_delivery: bool
     policy: Any
 
     def _init_output_rate(self, vllm_config: Any) -> None:
+        vllm_compat.check_vllm_version()
         self.output_rate_config = OutputRateConfig.from_vllm_config(vllm_config)
         self.output_rate_limiter = OutputRateLimiter(
             self.output_rate_config.default_rate, self.output_rate_config.user_rates
@@ -367,9 +368,7 @@ class OutputRateMixin:
             stats.num_reclaims += 1
             stats.num_tokens_dropped += victim.num_computed_tokens
             self._reclaimed.add(victim.request_id)
-            self._preempt_request(  # type: ignore[attr-defined]
-                victim, timestamp, drop_stale_output=self.requires_kv_delivery
-            )
+            vllm_compat.preempt_request(self, victim, timestamp)
         return {self.output_rate_users[r.request_id] for r in victims}
 
     def _admissible_waiting(self, limit: int) -> dict[str, int]:
