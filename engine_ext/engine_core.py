@@ -49,16 +49,52 @@ def wait_for_input(engine: Any, timeout_s: float) -> bool:
     return True
 
 
-def install_wake(engine: Any) -> None:
+def install_wake(engine: Any) -> Callable[[], None] | None:
     """Let another thread (the control-plane client) end the engine's idle wait."""
     from vllm.v1.engine import EngineCoreRequestType
 
     if not is_output_rate_scheduler(engine.scheduler):
-        return
+        return None
     input_queue = vllm_compat.engine_input_queue(engine)
     wakeup = (EngineCoreRequestType.WAKEUP, None)
-    engine.scheduler.wake_engine = lambda: input_queue.put_nowait(wakeup)
+
+    def wake() -> None:
+        input_queue.put_nowait(wakeup)
+
+    engine.scheduler.wake_engine = wake
     logger.info("output-rate: engine idle wait on (throttled steps wait on the input queue)")
+    return wake
+
+
+def connect_control_plane(scheduler: Any, wake: Callable[[], None]) -> Any:
+    """Start the control-plane client of an engine with an endpoint and attach it.
+
+    Called before the engine's busy loop reads its first request, so a
+    request is never served before the snapshot is applied, unless the
+    control plane does not answer within the snapshot timeout: then the
+    engine serves with its command-line limits and takes the snapshot when
+    it comes.
+    """
+    from engine_ext.push_client import PushClient
+
+    config = scheduler.output_rate_config
+    client = PushClient(
+        endpoint=config.control_plane_endpoint,
+        engine_id=config.engine_id or "engine",
+        model=str(scheduler.vllm_config.model_config.served_model_name or ""),
+        server_public_key=config.control_plane_public_key,
+        wake=wake,
+    )
+    client.start()
+    if not client.wait_for_snapshot(config.snapshot_timeout_s):
+        logger.warning(
+            "output-rate: control plane %s not reachable within %.1fs; "
+            "serving with the limits from the command line until it answers",
+            config.control_plane_endpoint,
+            config.snapshot_timeout_s,
+        )
+    scheduler.attach_push_client(client)
+    return client
 
 
 def idle_wait_after_step(engine: Any, model_executed: bool) -> None:
@@ -76,10 +112,18 @@ def idle_wait_after_step(engine: Any, model_executed: bool) -> None:
 def wrap_run_busy_loop(original: Callable[[Any], None]) -> Callable[[Any], None]:
     # The plugin is first loaded in the engine-core process from inside
     # EngineCore.__init__, too late to wrap __init__ for that instance; the busy
-    # loop starts after construction, so the wake hook is installed there.
+    # loop starts after construction, so the wake hook and the control-plane
+    # client are installed there, before the first request is read.
     def run_busy_loop(self: Any) -> None:
-        install_wake(self)
-        original(self)
+        wake = install_wake(self)
+        client = None
+        if wake is not None and self.scheduler.output_rate_config.control_plane_endpoint:
+            client = connect_control_plane(self.scheduler, wake)
+        try:
+            original(self)
+        finally:
+            if client is not None:
+                client.close()
 
     return run_busy_loop
 
