@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from engine_ext.limiter import OutputRateLimiter
@@ -29,6 +30,9 @@ from engine_ext.limiter import OutputRateLimiter
 # Steps during which a request re-admitted after a slot reclaim cannot be
 # reclaimed again (see docs/scheduler.md, "Slot reclaim").
 RECLAIM_COOLDOWN_STEPS = 32
+
+_REQUEST_ID = attrgetter("request_id")
+_IS_PREFILL_CHUNK = attrgetter("is_prefill_chunk")
 
 
 class RequestLike(Protocol):
@@ -206,9 +210,9 @@ class StepPlanner:
                 continue  # upstream's async look-ahead stop (lines 664-678)
             charge(request)
         # One limiter call per step: a user with several streams asks for all
-        # of their tokens at once.
-        users = self.users
-        num_got = self.limiter.take_many(Counter([users[r.request_id] for r in charged]))
+        # of their tokens at once. (map/attrgetter keep the per-request work in C.)
+        num_wanted = Counter(map(self.users.__getitem__, map(_REQUEST_ID, charged)))
+        num_got = self.limiter.take_many(num_wanted)
         if num_got:
             self._rotate_contended(plan, num_got)
         return num_busy
@@ -452,7 +456,14 @@ class StepPlanner:
         """
         users = self.users
         charged = plan.charged + list(gate.charged.values())
-        unsampled = [r for r in charged if r.request_id not in num_scheduled or r.is_prefill_chunk]
+        if num_scheduled.keys() >= set(map(_REQUEST_ID, charged)) and not any(
+            map(_IS_PREFILL_CHUNK, charged)
+        ):
+            unsampled = []  # the usual step: every charged request sampled
+        else:
+            unsampled = [
+                r for r in charged if r.request_id not in num_scheduled or r.is_prefill_chunk
+            ]
         refund = self.limiter.refund
         for request in unsampled:
             refund(users[request.request_id])
