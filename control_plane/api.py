@@ -12,6 +12,9 @@ from control_plane import services
 from control_plane.auth import ReaderDep, WriterDep
 from control_plane.deps import DatabaseDep
 from control_plane.schemas import (
+    ENGINE_ID_PATTERN,
+    MAX_ENGINE_ID_LEN,
+    MAX_USER_ID_LEN,
     TIER_NAME_PATTERN,
     USER_ID_PATTERN,
     AuditList,
@@ -45,7 +48,10 @@ CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}
 
 router = APIRouter(responses=ERRORS)
 
-UserPath = Annotated[str, Path(min_length=1, max_length=256, pattern=USER_ID_PATTERN)]
+UserPath = Annotated[str, Path(min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)]
+EnginePath = Annotated[
+    str, Path(min_length=1, max_length=MAX_ENGINE_ID_LEN, pattern=ENGINE_ID_PATTERN)
+]
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
 
 
@@ -61,7 +67,7 @@ async def list_limits(
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     tier: Annotated[str | None, Query(pattern=TIER_NAME_PATTERN)] = None,
-    q: Annotated[str | None, Query(max_length=256, pattern=USER_ID_PATTERN)] = None,
+    q: Annotated[str | None, Query(max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)] = None,
     after: Annotated[
         str | None,
         Query(
