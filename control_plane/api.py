@@ -162,8 +162,18 @@ async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) ->
 
 @router.get("/engines", response_model=EngineList)
 async def list_engines(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, Any]:
-    timeout_s = request.app.state.settings.engine_timeout_s
-    return await db.read(services.list_engines, timeout_s=timeout_s)
+    settings = request.app.state.settings
+    return await db.read(
+        services.list_engines,
+        timeout_s=settings.engine_timeout_s,
+        retention_s=settings.engine_retention_s,
+    )
+
+
+@router.delete("/engines/{engine_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_FOUND)
+async def delete_engine(engine_id: EnginePath, db: DatabaseDep, _: WriterDep) -> Response:
+    await db.write(services.delete_engine, engine_id=engine_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.get("/usage", response_model=UsageList)

@@ -474,3 +474,13 @@ def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
     conn.execute(statement)
+
+
+def delete_engines_seen_before(conn: Connection, cutoff: datetime) -> int:
+    result = conn.execute(delete(engines).where(engines.c.last_seen < cutoff))
+    return int(result.rowcount or 0)
+
+
+def delete_engine(conn: Connection, engine_id: str) -> bool:
+    result = conn.execute(delete(engines).where(engines.c.engine_id == engine_id))
+    return bool(result.rowcount)

@@ -12,7 +12,7 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection
@@ -514,7 +514,10 @@ def viewer_token_name(conn: Connection, *, token: str) -> str | None:
 # ---- engines ---------------------------------------------------------------
 
 
-def list_engines(conn: Connection, *, timeout_s: float) -> dict[str, Any]:
+def list_engines(
+    conn: Connection, *, timeout_s: float, retention_s: float = float("inf")
+) -> dict[str, Any]:
+    """Engines seen within `retention_s` (older rows are deleted by the push server)."""
     now = datetime.now(UTC)
     items = [
         {
@@ -526,8 +529,20 @@ def list_engines(conn: Connection, *, timeout_s: float) -> dict[str, Any]:
             "first_seen": e.first_seen.isoformat(),
         }
         for e in repo.list_engines(conn)
+        if (now - e.last_seen).total_seconds() <= retention_s
     ]
     return {"version": current_version(conn), "items": items}
+
+
+def forget_engines(conn: Connection, *, retention_s: float) -> int:
+    """Delete the rows of engines not seen for `retention_s`; how many went."""
+    return repo.delete_engines_seen_before(conn, datetime.now(UTC) - timedelta(seconds=retention_s))
+
+
+def delete_engine(conn: Connection, *, engine_id: str) -> None:
+    """Forget an engine's row (it comes back if that engine is still connected)."""
+    if not repo.delete_engine(conn, engine_id):
+        raise NotFound(f"engine {engine_id!r} is not known", field="engine_id")
 
 
 def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:

@@ -191,7 +191,7 @@ def check_usage_bounds(report: Usage) -> None:
     """A report names at most MAX_USAGE_USERS users in each map, and claims no more than
     one engine can produce in its interval."""
     if len(report.granted) > MAX_USAGE_USERS or len(report.throttled) > MAX_USAGE_USERS:
-        raise ProtocolError(f"usage report names over {MAX_USAGE_USERS} users")
+        raise ProtocolError(f"usage report names too many users (over {MAX_USAGE_USERS} in a map)")
     # +1: an engine's first tokens may land in a very short first interval.
     if sum(report.granted.values()) > MAX_ENGINE_TOKENS_PER_S * report.interval_s + 1:
         raise ProtocolError("usage report grants more tokens than one engine can produce")
