@@ -348,3 +348,38 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
             engine.client.close()
             server.close()
             app.state.db.dispose()
+
+
+def test_malformed_frames_are_logged_once_then_summarised(
+    db, server: PushServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    from control_plane.push.server import DropLog
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        with caplog.at_level("WARNING", logger="control_plane.push.server"):
+            for _ in range(500):
+                sock.send(b"\xff")
+            deadline = time.monotonic() + WAIT_S
+            while server.num_dropped < 500:
+                assert time.monotonic() < deadline, server.num_dropped
+                time.sleep(0.02)
+        lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+        assert 1 <= len(lines) <= 2  # the first one, and at most one summary
+    finally:
+        sock.close()
+        context.term()
+    log = DropLog(interval_s=10.0)
+    with caplog.at_level("WARNING", logger="control_plane.push.server"):
+        caplog.clear()
+        for _ in range(1000):
+            log.note("malformed", "x")
+        log.flush(0.0)
+        log.flush(5.0)  # within the interval: nothing new
+        log.flush(11.0)  # nothing pending since the last summary
+    assert log.total == 1000
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "999 malformed" in messages[1]
