@@ -17,6 +17,7 @@ from control_plane.schemas import (
     MAX_USER_ID_LEN,
     TIER_NAME_PATTERN,
     USER_ID_PATTERN,
+    AuditChanges,
     AuditList,
     BulkIn,
     BulkOut,
@@ -183,9 +184,26 @@ async def usage(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, An
 
 @router.get("/audit", response_model=AuditList)
 async def audit(
-    db: DatabaseDep, _: ReaderDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    db: DatabaseDep,
+    _: ReaderDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before_id: Annotated[
+        int | None,
+        Query(ge=1, le=2**31 - 1, description="Cursor: next_before_id of the previous page"),
+    ] = None,
 ) -> dict[str, Any]:
-    return {"items": await db.scan(services.list_audit, limit=limit)}
+    return await db.scan(services.list_audit, limit=limit, before_id=before_id)
+
+
+@router.get("/audit/{entry_id}/changes", response_model=AuditChanges, responses=NOT_FOUND)
+async def audit_changes(
+    entry_id: Annotated[int, Path(ge=1, le=2**31 - 1)],
+    db: DatabaseDep,
+    _: ReaderDep,
+    after: Annotated[str | None, Query(max_length=MAX_USER_ID_LEN + 16)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    return await db.scan(services.audit_changes, entry_id=entry_id, after=after, limit=limit)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

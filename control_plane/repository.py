@@ -381,8 +381,15 @@ def add_audit(
     )
 
 
-def list_audit(conn: Connection, *, limit: int) -> Sequence[Row[Any]]:
-    return conn.execute(select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)).all()
+def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> Sequence[Row[Any]]:
+    query = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
+    if before_id is not None:
+        query = query.where(audit_log.c.id < before_id)
+    return conn.execute(query).all()
+
+
+def get_audit(conn: Connection, entry_id: int) -> Row[Any] | None:
+    return conn.execute(select(audit_log).where(audit_log.c.id == entry_id)).first()
 
 
 # ---- viewer tokens -------------------------------------------------------------

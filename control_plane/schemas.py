@@ -122,6 +122,7 @@ class UsageList(BaseModel):
 
 
 class AuditOut(BaseModel):
+    id: int
     at: datetime
     version: int
     actor: str
@@ -129,10 +130,28 @@ class AuditOut(BaseModel):
     target: str
     before: Any
     after: Any
+    truncated: bool = Field(
+        False, description="before/after too large to inline: GET /audit/{id}/changes"
+    )
 
 
 class AuditList(BaseModel):
     items: list[AuditOut]
+    next_before_id: int | None = None
+
+
+class AuditChange(BaseModel):
+    target: str
+    before: Any
+    after: Any
+
+
+class AuditChanges(BaseModel):
+    id: int
+    version: int
+    action: str
+    items: list[AuditChange]
+    next_after: str | None
 
 
 class TokenCreated(BaseModel):
