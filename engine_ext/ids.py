@@ -45,7 +45,7 @@ def check_user_id(user: object) -> str:
     if len(user) > MAX_USER_ID_LEN:
         raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {_shown(user)}")
     if not _USER_ID.match(user):
-        raise ValueError(f"user id {_shown(user)} contains a control character, '/' or U+FFFD")
+        raise ValueError(f"user id {_shown(user)} contains control characters, '/' or U+FFFD")
     return user
 
 

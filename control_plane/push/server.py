@@ -385,12 +385,12 @@ class PushServer:
         self, identity: bytes, engine_id: str, model: str, key: str | None, now: float
     ) -> Peer | None:
         """Bind a new connection to engine_id, or refuse (logged, counted)."""
-        if self._client_keys is not None and key is not None:
-            allowed = self._client_keys.get(key)
+        if self._secret_key is not None and self._client_keys is not None:
+            allowed = self._client_keys.get(key or "")
             if key not in self._client_keys or (allowed is not None and engine_id not in allowed):
                 self.drops.note(
                     "engine key may not claim that engine id",
-                    f"key {key[:8]}... claimed {engine_id!r}",
+                    f"key {(key or '?')[:8]}... claimed {engine_id!r}",
                 )
                 return None
         owner = self._owners.get(engine_id)

@@ -383,3 +383,51 @@ def test_malformed_frames_are_logged_once_then_summarised(
     assert log.total == 1000
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "999 malformed" in messages[1]
+
+
+@pytest.mark.parametrize(
+    "db", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
+    from control_plane.push.server import Peer
+
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db)  # not started: driven here
+    try:
+        # Such an id can no longer come off the wire; the database is the last line.
+        for identity, engine_id in ((b"good", "good"), (b"bad", "bad\x00id")):
+            server.peers[identity] = Peer(engine_id=engine_id, model="m")
+            server._owners[engine_id] = identity
+            server._dirty.add(identity)
+        server._flush_status()
+        rows = db.read_now(services.list_engines, timeout_s=5)["items"]
+        assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
+        assert set(server.peers) == {b"good"}
+        assert server.num_dropped == 1
+    finally:
+        server._context.term()
+
+
+def test_an_engine_id_moves_to_a_new_connection_only_once_the_old_one_is_silent(db) -> None:
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db, engine_timeout_s=1.5)
+    server.start()
+    seed(db)
+    context = zmq.Context()
+    holder = context.socket(zmq.DEALER)
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.connect(server.endpoint)
+    holder.send(p.encode(p.Hello("e1", "old", 0)))
+    assert holder.poll(int(WAIT_S * 1000)) and p.peek_type(holder.recv()) == p.SNAPSHOT
+    engine = Engine(server.endpoint, "e1")
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # the holder is alive: e1 stays with it
+            holder.send(p.encode(p.Heartbeat(0, "e1", "old")))
+            assert engine.state()[0] == 0 and not engine.client.has_snapshot
+            time.sleep(0.2)
+        holder.close()  # silent now: after engine_timeout_s the real engine gets e1
+        converge([engine], db)
+        assert [peer.model for peer in server.peers.values()] == ["tiny"]
+    finally:
+        engine.client.close()
+        context.term()
+        server.close()
