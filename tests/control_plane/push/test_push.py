@@ -152,6 +152,9 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
     server.start()
     engine = Engine(server.endpoint, "e1")
     try:
+        # An empty database looks like a fresh engine: wait for the snapshot itself, or
+        # a loaded server may answer the HELLO after all 60 writes (no delta at all).
+        assert engine.client.wait_for_snapshot(WAIT_S)
         converge([engine], db)
         for i in range(60):
             write(db, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)

@@ -304,3 +304,35 @@ def test_hello_flood_gets_one_snapshot_per_interval_and_spares_real_engines(
     assert 1 <= len(snapshots) <= elapsed / 1.0 + 2
     # Before: the PUT -> delta latency went from 2-12 ms to ~1-2 s under the flood.
     assert statistics.median(during) < 5 * statistics.median(baseline) + 0.1
+
+
+def test_usage_reports_cannot_grow_usage_without_bound(tmp_path: Path) -> None:
+    from control_plane.push.usage import MAX_TRACKED_USERS
+
+    with control_plane("sqlite", tmp_path) as (served, api):
+        peers = [RawPeer(served.zmq_endpoint) for _ in range(2)]
+        try:
+            for i, peer in enumerate(peers):
+                peer.send(p.Hello(f"reporter-{i}", "m", 0))
+                assert p.SNAPSHOT in peer.received(timeout_s=5)
+            # Before: every report's users were listed (100 x 20k users: 2,000,000 rows).
+            n = p.MAX_USAGE_USERS
+            for r in range(2 * MAX_TRACKED_USERS // n + 1):
+                users = {f"u{r}-{j}": 1 for j in range(n)}
+                peers[r % 2].send(p.Usage(f"reporter-{r % 2}", 1.0, users, {}))
+            time.sleep(1.0)
+            rows = wait_for(
+                lambda: len(api.get("/usage").json()["items"]) >= MAX_TRACKED_USERS,
+                "the reports",
+            )
+            assert rows
+            start = time.perf_counter()
+            items = api.get("/usage").json()["items"]
+            elapsed = time.perf_counter() - start
+            assert len(items) == MAX_TRACKED_USERS
+            small = time.perf_counter()
+            assert api.get("/default-limit").status_code == 200
+            assert elapsed < 60 * max(time.perf_counter() - small, 0.01) + 5
+        finally:
+            for peer in peers:
+                peer.close()
