@@ -381,8 +381,15 @@ def add_audit(
     )
 
 
-def list_audit(conn: Connection, *, limit: int) -> Sequence[Row[Any]]:
-    return conn.execute(select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)).all()
+def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> Sequence[Row[Any]]:
+    query = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
+    if before_id is not None:
+        query = query.where(audit_log.c.id < before_id)
+    return conn.execute(query).all()
+
+
+def get_audit(conn: Connection, entry_id: int) -> Row[Any] | None:
+    return conn.execute(select(audit_log).where(audit_log.c.id == entry_id)).first()
 
 
 # ---- viewer tokens -------------------------------------------------------------
@@ -474,3 +481,13 @@ def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
     conn.execute(statement)
+
+
+def delete_engines_seen_before(conn: Connection, cutoff: datetime) -> int:
+    result = conn.execute(delete(engines).where(engines.c.last_seen < cutoff))
+    return int(result.rowcount or 0)
+
+
+def delete_engine(conn: Connection, engine_id: str) -> bool:
+    result = conn.execute(delete(engines).where(engines.c.engine_id == engine_id))
+    return bool(result.rowcount)

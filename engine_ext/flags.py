@@ -7,9 +7,8 @@ import json
 from typing import Any
 
 from engine_ext.config import OutputRateConfig
+from engine_ext.ids import check_engine_id, check_user_id
 from engine_ext.limiter import validate_rate
-
-MAX_USER_ID_LEN = 256
 
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {
@@ -37,14 +36,11 @@ def parse_rate(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def check_user_id(user: object) -> str:
-    if not isinstance(user, str) or not user:
-        raise ValueError(f"user ids must be non-empty strings, got {user!r}")
-    if len(user) > MAX_USER_ID_LEN:
-        raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {user[:40]!r}...")
-    if any(ord(c) < 32 or ord(c) == 127 for c in user):
-        raise ValueError(f"user id {user!r} contains control characters")
-    return user
+def parse_engine_id(text: str) -> str:
+    try:
+        return check_engine_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -111,8 +107,10 @@ def add_flags(parser: Any) -> None:
     )
     group.add_argument(
         FLAGS["output_rate_engine_id"],
+        type=parse_engine_id,
         default=None,
-        help="Name of this engine in the control plane (default: host:port).",
+        help="Name of this engine in the control plane (default: host:port); 1-256 "
+        "letters, digits and . _ - : @ [ ].",
     )
     group.add_argument(
         FLAGS["control_plane_public_key"],
@@ -134,6 +132,10 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         host = getattr(args, "host", None) or "0.0.0.0"
         port = getattr(args, "port", None)
         engine_id = f"{host}:{port}" if port else host
+    try:
+        check_engine_id(engine_id)
+    except ValueError as e:
+        raise ValueError(f"{FLAGS['output_rate_engine_id']}: {e}") from None
     return OutputRateConfig(
         default_rate=getattr(args, "default_user_output_tokens_per_second", None),
         user_rates=dict(getattr(args, "user_output_tokens_per_second", None) or {}),

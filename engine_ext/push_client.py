@@ -18,6 +18,7 @@ and the IO thread encodes and sends them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import zmq
 
 from engine_ext import protocol as p
+from engine_ext.ids import is_user_id
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
@@ -116,6 +118,13 @@ class LimitTable:
             limiter.set_rate(user, self.tiers.get(tier))
         else:
             limiter.clear_rate(user)
+
+
+def _reportable(counts: dict[str, int]) -> dict[str, int]:
+    if len(counts) <= p.MAX_USAGE_USERS and all(map(is_user_id, counts)):
+        return counts
+    valid = ((user, n) for user, n in counts.items() if is_user_id(user))
+    return dict(itertools.islice(valid, p.MAX_USAGE_USERS))
 
 
 @dataclass(frozen=True)
@@ -252,10 +261,16 @@ class PushClient:
         self._last_usage_at = now
         if not granted and not throttled:
             return
-        if len(granted) + len(throttled) > 2 * p.MAX_USAGE_USERS:
-            granted = dict(list(granted.items())[: p.MAX_USAGE_USERS])
-            throttled = dict(list(throttled.items())[: p.MAX_USAGE_USERS])
-        self._send(p.Usage(self.engine_id, interval, granted, throttled))
+        # What the server would refuse whole: names that are no user id (a request's
+        # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
+        granted, throttled = _reportable(granted), _reportable(throttled)
+        # Counts over one engine's bound mean the interval was measured too short.
+        interval = max(
+            interval,
+            sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
+            sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
+        )
+        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
 
     def _install(self, snapshot: _PreparedSnapshot, limiter: OutputRateLimiter) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).
