@@ -22,6 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from engine_ext.ids import MAX_ENGINE_ID_LEN, MAX_MODEL_LEN, MAX_TIER_NAME_LEN, MAX_USER_ID_LEN
+from engine_ext.rates import MAX_RATE, MIN_RATE
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -30,7 +31,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-MAX_RATE = 1_000_000
 
 
 def utcnow() -> datetime:
@@ -66,7 +66,7 @@ def _bytewise(length: int) -> String:
 
 
 def _rate_check(column: str) -> str:
-    return f"{column} IS NULL OR ({column} >= 1 AND {column} <= {MAX_RATE})"
+    return f"{column} IS NULL OR ({column} >= {MIN_RATE} AND {column} <= {MAX_RATE})"
 
 
 class Base(DeclarativeBase):

@@ -14,16 +14,16 @@ from engine_ext.ids import (
     TIER_NAME_PATTERN,
     USER_ID_PATTERN,
 )
+from engine_ext.rates import MAX_RATE, MIN_RATE
 
 __all__ = ["ENGINE_ID_PATTERN", "MAX_ENGINE_ID_LEN", "TIER_NAME_PATTERN", "USER_ID_PATTERN"]
 
-MAX_RATE = 1_000_000
 # Viewer token names: free text on one line.
 TOKEN_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 # Free text: tabs and line breaks are fine, other control characters (NUL!) are not.
 TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
 
-Rate = Annotated[int, Field(strict=True, ge=1, le=MAX_RATE)]
+Rate = Annotated[int, Field(strict=True, ge=MIN_RATE, le=MAX_RATE)]
 TierName = Annotated[str, Field(strict=True, pattern=TIER_NAME_PATTERN)]
 UserId = Annotated[
     str, Field(strict=True, min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)

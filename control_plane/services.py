@@ -22,6 +22,7 @@ from control_plane import repository as repo
 from control_plane.db import mark_new_version
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.repository import State, UserRecord
+from engine_ext.limits import effective_rate
 
 MAX_BULK_ITEMS = 10_000
 # GET /audit: a page is at most about this big; larger before/after are paged apart.
@@ -64,13 +65,7 @@ def limit_view(
     """`tier_rate` is the rate of the record's tier (ignored without one)."""
     tier = record.tier if record else None
     override = record.rate if record else None
-    effective: int | None
-    if override is not None:
-        effective, source = override, "override"
-    elif tier is not None:
-        effective, source = tier_rate, "tier"
-    else:
-        effective, source = default_rate, "default"
+    effective, source = effective_rate(override, tier, tier_rate, default_rate)
     return {
         "user": user,
         "tier": tier,
@@ -159,12 +154,11 @@ def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | N
         record = records.get(user)
         if record is None:
             result[user] = state.default_rate
-        elif record.rate is not None:
-            result[user] = record.rate
-        elif record.tier is not None:
-            result[user] = rates.get(record.tier)
         else:
-            result[user] = state.default_rate
+            tier_rate = rates.get(record.tier) if record.tier else None
+            result[user] = effective_rate(record.rate, record.tier, tier_rate, state.default_rate)[
+                0
+            ]
     return result
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine_ext.limiter import validate_rate
+from engine_ext.rates import validate_rate
 
 CONFIG_KEY = "output_rate"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from engine_ext.config import OutputRateConfig
 from engine_ext.ids import check_engine_id, check_user_id
-from engine_ext.limiter import validate_rate
+from engine_ext.rates import MAX_RATE, validate_rate
 
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {
@@ -28,7 +28,7 @@ def parse_rate(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be an integer 1..1000000 or 'unlimited', got {text!r}"
+            f"must be an integer 1..{MAX_RATE} or 'unlimited', got {text!r}"
         ) from None
     try:
         return validate_rate(value, field="rate")

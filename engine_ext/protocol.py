@@ -22,6 +22,7 @@ from typing import Annotated
 import msgspec
 
 from engine_ext import ids
+from engine_ext.rates import MAX_RATE, MIN_RATE
 
 # Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -47,7 +48,7 @@ HEARTBEAT = 5
 USAGE = 6
 RESYNC = 7
 
-Rate = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None
+Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]

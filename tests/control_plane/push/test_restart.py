@@ -28,7 +28,8 @@ from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import LimitTable, PushClient
+from engine_ext.limits import LimitTable
+from engine_ext.push_client import PushClient
 from tests.control_plane.served import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
