@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Connection
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from control_plane import __version__
 from control_plane.api import router
 from control_plane.db import Database, make_engine
 from control_plane.edge import EdgeGuard
@@ -21,7 +22,8 @@ from control_plane.errors import ConfigurationError, DomainError
 from control_plane.metrics import install_metrics
 from control_plane.settings import Settings
 
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+# The built admin UI (scripts/build_ui.py): only the files the browser loads.
+UI_DIR = Path(__file__).resolve().parent / "ui"
 logger = logging.getLogger("control_plane")
 
 INSECURE_WARNING = (
@@ -56,7 +58,7 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
         )
     if insecure_no_auth:
         logger.warning(INSECURE_WARNING)
-    app = FastAPI(title="vllm-output-rate control plane", version="0.1.0")
+    app = FastAPI(title="vllm-output-rate control plane", version=__version__)
     app.state.settings = settings
     app.state.insecure_no_auth = insecure_no_auth
     app.state.db = Database(make_engine(settings.database_url))
@@ -97,11 +99,11 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     app.add_middleware(EdgeGuard)
     install_metrics(app)
 
-    if (WEB_DIR / "index.html").exists():
-        app.mount("/ui", StaticFiles(directory=WEB_DIR, html=True), name="ui")
+    if (UI_DIR / "index.html").exists():
+        app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
-        return RedirectResponse("/ui/" if (WEB_DIR / "index.html").exists() else "/docs")
+        return RedirectResponse("/ui/" if (UI_DIR / "index.html").exists() else "/docs")
 
     return app

@@ -10,16 +10,22 @@ from typing import Any
 
 from alembic.config import Config
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
+from control_plane import __version__
 from control_plane.settings import Settings, settings_errors
 
-ROOT = Path(__file__).resolve().parents[1]
+# Shipped inside the package; the checkout's alembic.ini points here too.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 logger = logging.getLogger("control_plane")
 
 
 def alembic_config(database_url: str) -> Config:
-
-    config = Config(str(ROOT / "alembic.ini"))
+    """Alembic's configuration, from the package alone (no alembic.ini needed)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("path_separator", "os")
     config.attributes["database_url"] = database_url
     return config
 
@@ -48,16 +54,23 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
+    host = settings.host if args.host is None else args.host
+    port = settings.port if args.port is None else args.port
     upgrade(settings.database_url)
     # create_app logs the loud warning when authentication is off.
     app = create_app(settings, insecure_no_auth=args.insecure_no_auth)
     # The live push endpoint (control_plane/push) runs beside the API and stops with it.
     push = start_push_server(app, settings)
+    print(
+        startup_summary(settings, host, port, push.endpoint, auth=not args.insecure_no_auth),
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.run(
             app,
-            host=args.host or settings.host,
-            port=args.port or settings.port,
+            host=host,
+            port=port,
             log_level="info",
             # One line per request costs a third of a small request's time; opt in.
             access_log=args.access_log,
@@ -66,6 +79,35 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
         if push is not None:
             push.close()
     return 0
+
+
+def safe_database_url(url: str) -> str:
+    """The database URL as it may be shown: the password masked (also as a query option)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "<unparsable URL>"
+    query = {k: "***" if "password" in k.lower() else v for k, v in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True)
+
+
+def startup_summary(
+    settings: Settings, host: str, port: int, push_endpoint: str, *, auth: bool
+) -> str:
+    """What `output-rate serve` tells the operator before it starts listening."""
+    from control_plane.app import UI_DIR
+
+    http_host = f"[{host}]" if ":" in host else host
+    ui = "UI at /ui/" if (UI_DIR / "index.html").is_file() else "no UI built"
+    lines = [
+        f"output-rate {__version__}",
+        f"  API:      http://{http_host}:{port}/ ({ui}, OpenAPI at /docs)",
+        f"  database: {safe_database_url(settings.database_url)}",
+        "  auth:     " + ("on (admin token)" if auth else "OFF (--insecure-no-auth)"),
+        f"  push:     {push_endpoint}, CURVE "
+        + ("on" if settings.zmq_secret_key is not None else "OFF (plain TCP)"),
+    ]
+    return "\n".join(lines)
 
 
 def start_push_server(app: FastAPI, settings: Settings) -> Any:
@@ -101,6 +143,7 @@ def port(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(prog="output-rate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="migrate to head, then serve API, UI, ZMQ")
     serve_parser.add_argument("--host", default=None)

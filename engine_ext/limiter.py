@@ -172,6 +172,17 @@ class OutputRateLimiter:
             state.tat_scaled = base + num * NS_PER_S
         return num_short
 
+    def num_available(self, user: str, limit: int) -> int:
+        """How many of ``limit`` calls of ``try_take(user)`` would succeed now; takes none."""
+        state = self._states.get(user)
+        if state is None:
+            rate = self._user_rates.get(user, self._default_rate)
+            return limit if rate is None else min(limit, self._burst_ns * rate // NS_PER_S + 1)
+        now_scaled = self._clock_ns() * state.rate
+        tat = state.tat_scaled
+        slack = now_scaled + state.burst_scaled - (tat if tat > now_scaled else now_scaled)
+        return min(limit, slack // NS_PER_S + 1) if slack >= 0 else 0
+
     def refund(self, user: str) -> None:
         state = self._states.get(user)
         if state is not None:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The main job: control plane (SQLite) + a vLLM engine on the tiny local model,
-# two users at different limits, the limiting shown live, then a live change.
-# Leaves both running (admin UI at http://127.0.0.1:8700/ui/) until Ctrl-C;
-# DEMO_EXIT=1 stops after the showcase.
+# The main job: control plane (SQLite) + a vLLM engine on the tiny local model.
+# A tenant with more streams than the engine's resident slots starves a normal
+# user until the operator gives it a limit over REST; the live view shows both
+# users' tokens/s and time to first token. A light load then keeps running
+# (admin UI at http://127.0.0.1:8700/ui/) until Ctrl-C; DEMO_EXIT=1 stops
+# after the showcase.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -37,6 +39,8 @@ put /tiers/free '{"output_tokens_per_second": 20, "description": "free tier"}'
 put /tiers/pro '{"output_tokens_per_second": 100, "description": "paid tier"}'
 put /limits/user-a '{"tier": "free"}'
 put /limits/user-b '{"tier": "pro"}'
+# The showcase starts with the tenant unlimited, also on a database kept from an earlier run.
+curl -fsS -X DELETE "$CP/limits/tenant" -H "$AUTH"
 
 say "vLLM engine on :$ENGINE_PORT, limits from the control plane (log: $DEMO_DIR/engine.log)"
 VLLM_CPU_KVCACHE_SPACE=1 setsid "$PY" -m vllm.entrypoints.openai.api_server \
@@ -48,20 +52,14 @@ pids+=($!)
 for _ in $(seq 240); do curl -fs "http://127.0.0.1:$ENGINE_PORT/v1/models" >/dev/null && break; sleep 1; done
 get /engines
 
-say "user-a streams 4 at once (shares 20 tok/s), user-b streams 1 (100 tok/s)"
-"$PY" scripts/demo_client.py --url "http://127.0.0.1:$ENGINE_PORT" \
-    --user user-a:4 --user user-b:1 --max-tokens 100 --interval 1
-
-say "live change: user-a gets an override of 60 tok/s, no restart"
-put /limits/user-a '{"tier": "free", "output_tokens_per_second": 60}'
-sleep 0.5
-get /engines
-"$PY" scripts/demo_client.py --url "http://127.0.0.1:$ENGINE_PORT" \
-    --user user-a:4 --max-tokens 60 --interval 1
+say "isolation: a tenant with 48 streams (3x the 16 resident slots) beside a normal user"
+echo "first the tenant has no limit; then the operator moves it to the free tier over REST"
+FOREVER=--forever
+if [ "${DEMO_EXIT:-0}" = 1 ]; then FOREVER=; fi
+"$PY" scripts/demo_client.py --url "http://127.0.0.1:$ENGINE_PORT" --control-plane "$CP" \
+    --token "$OUTPUT_RATE_ADMIN_TOKEN" --tenant-streams 48 --tier free \
+    --phase-seconds "${DEMO_PHASE_SECONDS:-15}" $FOREVER
 
 say "usage as the engines report it"
 get /usage
 
-if [ "${DEMO_EXIT:-0}" = 1 ]; then exit 0; fi
-say "running: admin UI $CP/ui/ (token: $OUTPUT_RATE_ADMIN_TOKEN), engine http://127.0.0.1:$ENGINE_PORT. Ctrl-C stops."
-wait

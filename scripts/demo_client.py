@@ -1,43 +1,66 @@
-"""Stream from a vLLM server as several users at once and print live tokens/s.
+"""The demo's live view: a tenant with many streams beside a normal user.
 
-Tokens are counted from the usage block of every chunk
-(``continuous_usage_stats``), not from text deltas, which byte-level pieces
-merge. Example:
+Phases (each ``--phase-seconds`` long):
+
+1. ``tenant`` (no limit) holds 3x the engine's resident slots of concurrent
+   streams; ``normal`` sends one short request after another. The normal
+   user's time to first token and tokens/s collapse: every slot is taken.
+2. The operator gives ``tenant`` a limit over REST (``PUT /limits/tenant`` on
+   the control plane); the engine applies it at its next step, the normal
+   user recovers at once, the tenant goes on at its limit.
+3. With ``--forever``: a light load keeps running (the tenant at its limit,
+   the normal user pausing between requests) so the admin UI's live view has
+   something to show, until Ctrl-C.
+
+On a terminal the view redraws in place; otherwise one line per refresh.
+Tokens are counted from the usage block of every chunk (byte-level text
+pieces merge). Example:
 
     python scripts/demo_client.py --url http://127.0.0.1:8000 \
-        --user user-a:4 --user user-b:1 --max-tokens 300
+        --control-plane http://127.0.0.1:8700 --token demo-admin-token
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import statistics
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import httpx
 
+SPARK = " ▁▂▃▄▅▆▇█"
+WINDOW_S = 2.0  # tokens/s is measured over this trailing window
+HISTORY = 60  # refreshes kept for the sparkline
+
 
 @dataclass
-class UserStats:
-    num_streams: int
-    # (monotonic time, tokens so far in that stream's usage) per chunk.
-    token_times: list[float] = field(default_factory=list)
-    num_completed: int = 0
+class UserView:
+    name: str
+    num_streams: int = 0
+    limit: str = "unlimited"
+    token_times: deque[float] = field(default_factory=deque)
+    ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    num_done: int = 0
+    # When the request now in flight was sent, until its first token.
+    pending_since: float | None = None
+    # Tokens/s of the last finished request, first token to last.
+    last_stream_rate: float | None = None
+    history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
-    def rate_since(self, since: float) -> float:
-        recent = [t for t in self.token_times if t >= since]
-        return len(recent) / max(1e-9, time.monotonic() - since)
-
-    def overall_rate(self) -> float:
-        if len(self.token_times) < 2:
-            return 0.0
-        return (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
+    def rate(self, now: float) -> float:
+        while self.token_times and self.token_times[0] < now - WINDOW_S:
+            self.token_times.popleft()
+        return len(self.token_times) / WINDOW_S
 
 
 async def stream_once(
-    client: httpx.AsyncClient, url: str, model: str, user: str, stats: UserStats, max_tokens: int
+    client: httpx.AsyncClient, url: str, model: str, view: UserView, max_tokens: int
 ) -> None:
     body = {
         "model": model,
@@ -46,8 +69,10 @@ async def stream_once(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "vllm_xargs": {"output_rate_user": user},
+        "vllm_xargs": {"output_rate_user": view.name},
     }
+    sent = view.pending_since = time.monotonic()
+    first = last = sent
     seen = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -55,50 +80,191 @@ async def stream_once(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             usage = json.loads(line[6:]).get("usage") or {}
-            now = time.monotonic()
             num_tokens = usage.get("completion_tokens", seen)
-            stats.token_times.extend([now] * (num_tokens - seen))
-            seen = num_tokens
-    stats.num_completed += 1
+            if num_tokens > seen:
+                now = time.monotonic()
+                if seen == 0:
+                    view.ttft_ms.append((now - sent) * 1000)
+                    view.pending_since = None
+                    first = now
+                last = now
+                view.token_times.extend([now] * (num_tokens - seen))
+                seen = num_tokens
+    view.num_done += 1
+    if seen > 1 and last > first:
+        view.last_stream_rate = (seen - 1) / (last - first)
 
 
-async def run(url: str, users: dict[str, int], max_tokens: int, interval_s: float) -> None:
-    async with httpx.AsyncClient(timeout=None) as client:
-        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        stats = {user: UserStats(n) for user, n in users.items()}
-        tasks = [
-            asyncio.create_task(stream_once(client, url, model, user, stats[user], max_tokens))
-            for user, n in users.items()
-            for _ in range(n)
+async def keep_streaming(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    view: UserView,
+    max_tokens: int,
+    pause_s: float | list[float],
+) -> None:
+    """One stream, reopened as it ends (after ``pause_s[0]`` if given as a list)."""
+    while True:
+        await stream_once(client, url, model, view, max_tokens)
+        pause = pause_s[0] if isinstance(pause_s, list) else pause_s
+        await asyncio.sleep(pause)
+
+
+class Screen:
+    def __init__(self, views: list[UserView], header: str) -> None:
+        self.views = views
+        self.header = header
+        self.phase = ""
+        self.events: deque[str] = deque(maxlen=4)
+        self.is_tty = sys.stdout.isatty()
+
+    def draw(self) -> None:
+        now = time.monotonic()
+        rates = {v.name: v.rate(now) for v in self.views}
+        for v in self.views:
+            v.history.append(rates[v.name])
+        if not self.is_tty:
+            cells = "  ".join(
+                f"{v.name}: {rates[v.name]:6.1f} tok/s ttft {self._ttft(v)}" for v in self.views
+            )
+            print(f"[{self.phase}] {cells}", flush=True)
+            return
+        lines = [self.header, "", f"\033[1m{self.phase}\033[0m", ""]
+        lines.append(
+            f"{'user':8} {'streams':>7} {'tok/s':>8} {'limit':>10} {'1 stream':>9} "
+            f"{'TTFT last':>10} {'TTFT p50':>9} {'done':>6}  tok/s, last {HISTORY} refreshes"
+        )
+        peak = max([max(v.history) for v in self.views] + [1.0])
+        for v in self.views:
+            spark = "".join(SPARK[min(8, round(8 * x / peak))] for x in v.history)
+            p50 = f"{statistics.median(v.ttft_ms):.0f} ms" if v.ttft_ms else "-"
+            stream = f"{v.last_stream_rate:.0f}" if v.last_stream_rate is not None else "-"
+            lines.append(
+                f"{v.name:8} {v.num_streams:>7} {rates[v.name]:>8.1f} {v.limit:>10} "
+                f"{stream:>9} {self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}"
+            )
+        lines += [
+            "",
+            "tok/s: the user's tokens per second over the last 2 s, all streams; "
+            "1 stream: speed of its last finished request",
+            "",
+            *self.events,
         ]
-        while not all(t.done() for t in tasks):
-            since = time.monotonic()
-            await asyncio.sleep(interval_s)
-            line = "  ".join(
-                f"{user} ({s.num_streams} streams): {s.rate_since(since):6.1f} tok/s"
-                for user, s in stats.items()
-            )
-            print(line, flush=True)
-        await asyncio.gather(*tasks)
-        for user, s in stats.items():
-            print(
-                f"{user}: {len(s.token_times)} tokens in {s.num_completed} streams, "
-                f"{s.overall_rate():.1f} tok/s first-to-last token"
-            )
+        sys.stdout.write("\033[H\033[J" + "\n".join(lines) + "\n")
+        sys.stdout.flush()
+
+    @staticmethod
+    def _ttft(view: UserView) -> str:
+        # A request still waiting for its first token longer than the last
+        # TTFT says more than the last TTFT does.
+        waited_ms = 0.0
+        if view.num_streams == 1 and view.pending_since is not None:
+            waited_ms = (time.monotonic() - view.pending_since) * 1000
+        last_ms = view.ttft_ms[-1] if view.ttft_ms else 0.0
+        if waited_ms > max(last_ms, 500):
+            return f">{waited_ms / 1000:.1f} s"
+        return f"{last_ms:.0f} ms" if view.ttft_ms else "-"
+
+
+async def run(args: argparse.Namespace) -> None:
+    tenant = UserView("tenant", num_streams=args.tenant_streams)
+    normal = UserView("normal", num_streams=1)
+    screen = Screen(
+        [tenant, normal],
+        f"vllm-output-rate demo: engine {args.url}, control plane {args.control_plane} "
+        f"(UI {args.control_plane}/ui/)",
+    )
+    auth = {"Authorization": f"Bearer {args.token}"}
+    limits = httpx.Limits(max_connections=args.tenant_streams + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        model = (await client.get(f"{args.url}/v1/models")).json()["data"][0]["id"]
+        normal_pause = [0.2]
+        tasks = [
+            asyncio.create_task(keep_streaming(client, args.url, model, tenant, 400, 0.0))
+            for _ in range(args.tenant_streams)
+        ]
+        tasks.append(
+            asyncio.create_task(keep_streaming(client, args.url, model, normal, 40, normal_pause))
+        )
+
+        async def show(phase: str, seconds: float) -> None:
+            screen.phase = phase
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                for task in tasks:
+                    if task.done() and task.exception():
+                        raise task.exception()  # type: ignore[misc]
+                screen.draw()
+                await asyncio.sleep(args.refresh)
+
+        await show(
+            f"1/3  tenant has no limit and {args.tenant_streams} streams "
+            f"(more than the engine's {args.tenant_streams // 3} resident slots)",
+            args.phase_seconds,
+        )
+        body = {"tier": args.tier, "output_tokens_per_second": None}
+        sent = time.monotonic()
+        response = await client.put(f"{args.control_plane}/limits/tenant", json=body, headers=auth)
+        response.raise_for_status()
+        version = response.json()["version"]
+        limit = response.json()["effective_output_tokens_per_second"]
+        screen.events.append(
+            f"operator: PUT /limits/tenant {json.dumps(body)} -> version {version}"
+        )
+        applied = await wait_applied(client, args.control_plane, auth, version)
+        screen.events.append(
+            f"every engine applied version {version} {1000 * (applied - sent):.0f} ms "
+            "after the PUT (no restart)"
+        )
+        tenant.limit = str(limit)
+        await show(
+            f"2/3  tenant in tier {args.tier!r} ({limit} tok/s): the normal user is served at once",
+            args.phase_seconds,
+        )
+        if args.forever:
+            normal_pause[0] = 1.0
+            screen.events.append("light load until Ctrl-C: watch it in the admin UI")
+            await show("3/3  light load (Ctrl-C stops)", float("inf"))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    print(
+        f"normal user: TTFT p50 {summary(normal)}; tenant: {tenant.num_done} streams done",
+        flush=True,
+    )
+
+
+async def wait_applied(
+    client: httpx.AsyncClient, control_plane: str, auth: dict[str, str], version: int
+) -> float:
+    """When every connected engine reports ``version`` applied (GET /engines)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engines = (await client.get(f"{control_plane}/engines", headers=auth)).json()["items"]
+        live = [e for e in engines if e["connected"]]
+        if live and all(e["applied_version"] >= version for e in live):
+            return time.monotonic()
+        await asyncio.sleep(0.005)
+    raise RuntimeError(f"version {version} not applied by every engine within 30 s")
+
+
+def summary(view: UserView) -> str:
+    return f"{statistics.median(view.ttft_ms):.0f} ms" if view.ttft_ms else "-"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--user", action="append", default=[], help="NAME:STREAMS")
-    parser.add_argument("--max-tokens", type=int, default=300)
-    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--control-plane", default="http://127.0.0.1:8700")
+    parser.add_argument("--token", default="demo-admin-token")
+    parser.add_argument("--tenant-streams", type=int, default=48)
+    parser.add_argument("--tier", default="free", help="the tier the operator moves tenant to")
+    parser.add_argument("--phase-seconds", type=float, default=15.0)
+    parser.add_argument("--refresh", type=float, default=0.5)
+    parser.add_argument("--forever", action="store_true", help="keep a light load until Ctrl-C")
     args = parser.parse_args()
-    users = {}
-    for spec in args.user or ["user-a:1"]:
-        name, _, count = spec.partition(":")
-        users[name] = int(count or 1)
-    asyncio.run(run(args.url, users, args.max_tokens, args.interval))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,17 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 
+# Admin UI: third-party assets come from the npm registry (again when the lock file
+# changed), then control_plane/ui/ is rebuilt from web/ (a copy; the package serves it).
+npm_stamp=web/node_modules/.output-rate-lock
+npm_want=$(sha256sum web/package-lock.json | cut -d' ' -f1)
+if [ "$(cat "$npm_stamp" 2>/dev/null)" != "$npm_want" ]; then
+    log "installing web assets from the npm registry"
+    (cd web && npm ci --silent --no-audit --no-fund)
+    echo "$npm_want" >"$npm_stamp"
+fi
+"$VENV/bin/python" scripts/build_ui.py
+
 # Reinstall only when the dependency list changed.
 stamp="$VENV/.output-rate-deps"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
@@ -36,12 +47,6 @@ if [ "${OUTPUT_RATE_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null
     log "installing Debian's chromium"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || log "WARNING: could not install chromium; UI tests will fail"
-fi
-
-# Admin UI third-party assets come from the npm registry at install time.
-if [ -f web/package.json ] && [ ! -d web/node_modules ]; then
-    log "installing web assets from the npm registry"
-    (cd web && npm ci --silent --no-audit --no-fund)
 fi
 
 # A tiny random-weight Llama built locally (no model hub), used by every engine test.

@@ -40,3 +40,16 @@ def test_cli_db_commands_on_a_fresh_sqlite_file(tmp_path: Path) -> None:
     assert _tables(url) == set(Base.metadata.tables)
     subprocess.run([*cli, "downgrade", "base"], cwd=ROOT, env=env, check=True, timeout=120)
     assert _tables(url) == set()
+
+
+def test_the_checkouts_alembic_ini_runs_the_packaged_migrations(tmp_path: Path) -> None:
+    # For developers: `alembic -c alembic.ini ...` from anywhere, URL from the settings.
+    url = f"sqlite:///{tmp_path / 'dev.db'}"
+    env = {"OUTPUT_RATE_DATABASE_URL": url, "PATH": "/usr/bin:/bin"}
+    alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
+    subprocess.run([*alembic, "upgrade", "head"], cwd=tmp_path, env=env, check=True, timeout=120)
+    assert _tables(url) == set(Base.metadata.tables)
+    heads = subprocess.run(
+        [*alembic, "heads"], cwd=tmp_path, env=env, check=True, timeout=120, capture_output=True
+    )
+    assert b"(head)" in heads.stdout

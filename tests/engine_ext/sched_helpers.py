@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -34,6 +34,7 @@ TINY_MODEL = Path(__file__).resolve().parents[2] / ".cache" / "tiny-llama"
 BLOCK_SIZE = 16
 EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 7  # never EOS, so requests run to max_tokens
+POSITIONAL = -1  # runner_output: sample positional_token() instead
 
 
 class FakeClock:
@@ -62,6 +63,7 @@ def make_scheduler(
     num_blocks: int = 10_000,
     enable_prefix_caching: bool = False,
     enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
     clock: FakeClock | None = None,
 ) -> Scheduler:
     """The output-rate scheduler (or upstream's with ``limited=False``)."""
@@ -79,6 +81,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
@@ -137,9 +140,16 @@ def make_request(
     prompt_token_ids: list[int] | None = None,
     ignore_eos: bool = True,
     request_id: str | None = None,
+    structured: bool = False,
 ) -> Request:
+    """A request of ``user``; ``structured`` ones wait for a grammar (``compile_grammar``)."""
     extra_args = {"output_rate_user": user} if user is not None else None
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=extra_args)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        extra_args=extra_args,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+") if structured else None,
+    )
     params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
     prompt = prompt_token_ids or [10 + (i % 200) for i in range(num_prompt_tokens)]
     return Request(
@@ -152,15 +162,53 @@ def make_request(
     )
 
 
+class AcceptAllGrammar:
+    """Stands in for a compiled grammar (a narrow seam): accepts every token."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def compile_grammar(request: Request) -> None:
+    """Finish the grammar "compilation" of a structured-output request."""
+    assert request.structured_output_request is not None
+    request.structured_output_request.grammar = AcceptAllGrammar()  # type: ignore[assignment]
+
+
+def positional_token(request_id: str, position: int) -> int:
+    """What the fake model samples at ``position`` of a request: a function of
+    both, so a lost, repeated or shifted position changes the output."""
+    return 10 + (sum(map(ord, request_id)) * 31 + position) % 200
+
+
+def expected_output(request: Request) -> list[int]:
+    """The output of an uninterrupted run with the positional fake model."""
+    start = request.num_prompt_tokens
+    return [positional_token(request.request_id, start + i) for i in range(request.max_tokens)]
+
+
 def runner_output(
     scheduler: Scheduler, sched_out: SchedulerOutput, token_id: int = SAMPLED_TOKEN_ID
 ) -> ModelRunnerOutput:
-    """One sampled token for every request whose scheduled chunk reaches its end."""
+    """One sampled token for every request whose scheduled chunk reaches its end.
+
+    ``token_id=POSITIONAL`` samples ``positional_token`` instead of a constant.
+    """
     req_ids = list(sched_out.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
         request = scheduler.requests[req_id]
-        sampled.append([] if request.is_prefill_chunk else [token_id])
+        if request.is_prefill_chunk:
+            sampled.append([])
+        elif token_id == POSITIONAL:
+            # num_computed_tokens already counts this step: the sampled token
+            # lands right after it.
+            sampled.append([positional_token(req_id, request.num_computed_tokens)])
+        else:
+            sampled.append([token_id])
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -192,6 +240,7 @@ def drive(
     step_ms: float = 10.0,
     on_step: Callable[[int], Any] | None = None,
     keep_outputs: bool = False,
+    token_id: int = SAMPLED_TOKEN_ID,
 ) -> Trace:
     """Run schedule()/update_from_output() like the engine loop does.
 
@@ -219,7 +268,7 @@ def drive(
         sched_out = scheduler.schedule()
         if keep_outputs:
             trace.outputs.append(sched_out)
-        model_out = runner_output(scheduler, sched_out)
+        model_out = runner_output(scheduler, sched_out, token_id)
         if is_async:
             if pending is not None:
                 apply(*pending)

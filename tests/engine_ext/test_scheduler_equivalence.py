@@ -11,7 +11,13 @@ import random
 import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from tests.engine_ext.sched_helpers import FakeClock, drive, make_request, make_scheduler
+from tests.engine_ext.sched_helpers import (
+    FakeClock,
+    compile_grammar,
+    drive,
+    make_request,
+    make_scheduler,
+)
 
 
 def trace_requests(seed: int) -> list[tuple[int, dict]]:
@@ -33,6 +39,62 @@ def trace_requests(seed: int) -> list[tuple[int, dict]]:
     return arrivals
 
 
+def crowded_trace_requests(seed: int) -> list[tuple[int, dict]]:
+    """Bursts of arrivals far beyond the free slots, long prompts that meet the
+    long-prefill threshold, and structured-output requests whose grammar
+    compiles a few steps after arrival (upstream passes over them meanwhile)."""
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(48):
+        burst = rng.choice([0, 0, 40, 90, 160])
+        prompt = [rng.randrange(3, 250) for _ in range(rng.choice([5, 30, 200, 500]))]
+        kwargs = {
+            "prompt_token_ids": prompt,
+            "max_tokens": rng.randint(1, 60),
+            "request_id": f"c{i}",
+            "structured": rng.random() < 0.25,
+            "user": rng.choice(["a", "b", "c", None]),
+        }
+        arrivals.append((burst + rng.randint(0, 3), kwargs))
+    return arrivals
+
+
+SCENARIOS = {
+    "mixed": {
+        "arrivals": trace_requests(seed=11),
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "num_blocks": 36},
+    },
+    "crowded": {
+        "arrivals": crowded_trace_requests(seed=5),
+        "scheduler": {
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 256,
+            "long_prefill_token_threshold": 96,
+            "num_blocks": 80,
+        },
+    },
+    # The issue's case: one slot, a threshold of 400 and two waiting requests.
+    "long-prefill": {
+        "arrivals": [
+            (
+                0,
+                {
+                    "prompt_token_ids": [5 + i % 200 for i in range(900)],
+                    "request_id": "long",
+                    "user": "a",
+                },
+            ),
+            (0, {"num_prompt_tokens": 8, "request_id": "short", "user": "b"}),
+        ],
+        "scheduler": {
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1024,
+            "long_prefill_token_threshold": 400,
+        },
+    },
+}
+
+
 def summarize(out: SchedulerOutput) -> tuple:
     return (
         dict(out.num_scheduled_tokens),
@@ -44,36 +106,49 @@ def summarize(out: SchedulerOutput) -> tuple:
     )
 
 
-def run(*, limited: bool, async_scheduling: bool, default_rate: int | None) -> list[tuple]:
+def run(
+    scenario: str, *, limited: bool, async_scheduling: bool, default_rate: int | None
+) -> list[tuple]:
     clock = FakeClock()
     sched = make_scheduler(
         async_scheduling=async_scheduling,
         limited=limited,
         default_rate=default_rate,
-        max_num_seqs=8,
-        max_num_batched_tokens=128,
-        num_blocks=36,  # tight: forces preemptions
         enable_prefix_caching=True,
         clock=clock,
+        **SCENARIOS[scenario]["scheduler"],
     )
-    arrivals = trace_requests(seed=11)
+    arrivals = SCENARIOS[scenario]["arrivals"]
+    # step -> structured-output requests whose grammar is ready at that step.
+    grammars_ready: dict[int, list] = {}
 
     def arrive(step: int) -> None:
+        for request in grammars_ready.pop(step, []):
+            compile_grammar(request)
         for at, kwargs in arrivals:
             if at == step:
-                sched.add_request(make_request(**kwargs))
+                request = make_request(**kwargs)
+                sched.add_request(request)
+                if kwargs.get("structured"):
+                    grammars_ready.setdefault(step + 1 + len(kwargs["request_id"]), []).append(
+                        request
+                    )
 
     trace = drive(sched, num_steps=900, clock=clock, step_ms=10, on_step=arrive, keep_outputs=True)
     assert len(trace.finished) == len(arrivals)
     return [summarize(o) for o in trace.outputs]
 
 
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("default_rate", [None, 1_000_000], ids=["no-limits", "limit-not-binding"])
-def test_same_decisions_as_upstream(async_scheduling: bool, default_rate: int | None) -> None:
-    upstream = run(limited=False, async_scheduling=async_scheduling, default_rate=None)
-    ours = run(limited=True, async_scheduling=async_scheduling, default_rate=default_rate)
-    preempted = sum(len(s[4]) for s in upstream)
-    assert preempted > 0, "the trace should exercise preemption"
+def test_same_decisions_as_upstream(
+    scenario: str, async_scheduling: bool, default_rate: int | None
+) -> None:
+    upstream = run(scenario, limited=False, async_scheduling=async_scheduling, default_rate=None)
+    ours = run(scenario, limited=True, async_scheduling=async_scheduling, default_rate=default_rate)
+    if scenario == "mixed":
+        preempted = sum(len(s[4]) for s in upstream)
+        assert preempted > 0, "the trace should exercise preemption"
     for step, (want, got) in enumerate(zip(upstream, ours, strict=True)):
         assert got == want, f"step {step} differs"

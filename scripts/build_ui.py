@@ -1,0 +1,83 @@
+"""Build the admin UI the control plane serves: web/ sources + uPlot from node_modules.
+
+Writes control_plane/ui/ (git-ignored), which the package ships and `output-rate serve`
+serves at /ui/: exactly the files the browser loads, nothing of the npm tree (no
+package.json, lock file, type definitions or other builds). The third-party files come
+from web/node_modules (`npm ci` in web/, from the npm registry); none are committed.
+
+Run by scripts/setup.sh and by setup.py when a wheel or sdist is built from a checkout.
+Standard library only: setup.py runs it inside the build backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WEB = ROOT / "web"
+OUT = ROOT / "control_plane" / "ui"
+
+# Our own files, copied as they are.
+FIRST_PARTY = ("index.html", "app.js", "style.css")
+# node_modules path -> served path (index.html refers to the served path).
+THIRD_PARTY = {
+    "uplot/dist/uPlot.min.css": "vendor/uPlot.min.css",
+    "uplot/dist/uPlot.iife.min.js": "vendor/uPlot.iife.min.js",
+    "uplot/LICENSE": "vendor/uPlot.LICENSE",  # MIT: the notice travels with the copy
+}
+_LOCAL_REF = re.compile(r"""(?:src|href)=["'](?![a-z]+:|//|#)([^"']+)["']""")
+
+
+class BuildError(Exception):
+    pass
+
+
+def local_refs(html: str) -> list[str]:
+    """The local files a page refers to (src=/href=), in order."""
+    return _LOCAL_REF.findall(html)
+
+
+def build(web: Path = WEB, out: Path = OUT) -> list[Path]:
+    """Replace `out` with the UI's files; return them. Fails before touching `out`."""
+    node_modules = web / "node_modules"
+    sources = {name: web / name for name in FIRST_PARTY}
+    sources.update({served: node_modules / src for src, served in THIRD_PARTY.items()})
+    missing = [str(path) for path in sources.values() if not path.is_file()]
+    if missing:
+        hint = " (run `npm ci` in web/)" if not node_modules.is_dir() else ""
+        raise BuildError(f"missing UI sources{hint}: {', '.join(missing)}")
+    unknown = [ref for ref in local_refs(sources["index.html"].read_text()) if ref not in sources]
+    if unknown:
+        raise BuildError(f"web/index.html refers to files the build does not ship: {unknown}")
+
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    for served, source in sources.items():
+        target = staging / served
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return sorted(out / served for served in sources)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--web", type=Path, default=WEB, help="UI sources (with node_modules)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the served files go")
+    args = parser.parse_args(argv)
+    try:
+        files = build(args.web, args.out)
+    except BuildError as exc:
+        print(f"build_ui: {exc}", file=sys.stderr)
+        return 1
+    print(f"build_ui: {len(files)} files in {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
