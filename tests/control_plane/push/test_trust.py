@@ -317,7 +317,8 @@ def test_usage_reports_cannot_grow_usage_without_bound(tmp_path: Path) -> None:
                 assert p.SNAPSHOT in peer.received(timeout_s=5)
             # Before: every report's users were listed (100 x 20k users: 2,000,000 rows).
             n = p.MAX_USAGE_USERS
-            for r in range(2 * MAX_TRACKED_USERS // n + 1):
+            reports = 2 * MAX_TRACKED_USERS // n + 1
+            for r in range(reports):
                 users = {f"u{r}-{j}": 1 for j in range(n)}
                 peers[r % 2].send(p.Usage(f"reporter-{r % 2}", 1.0, users, {}))
             time.sleep(1.0)
@@ -330,6 +331,9 @@ def test_usage_reports_cannot_grow_usage_without_bound(tmp_path: Path) -> None:
             items = api.get("/usage").json()["items"]
             elapsed = time.perf_counter() - start
             assert len(items) == MAX_TRACKED_USERS
+            metrics = api.get("/metrics").text
+            left_out = reports * n - MAX_TRACKED_USERS
+            assert f"output_rate_usage_users_left_out_total {left_out}.0" in metrics
             small = time.perf_counter()
             assert api.get("/default-limit").status_code == 200
             assert elapsed < 60 * max(time.perf_counter() - small, 0.01) + 5
