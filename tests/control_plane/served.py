@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from harness.servers import free_port, wait_healthy
 from tests.control_plane.factories import ADMIN_TOKEN
-from tests.e2e.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.e2e.servers import ControlPlane, free_port
+from harness.servers import ControlPlane, free_port
 from tests.web.test_admin_ui import CHROMIUM, CHROMIUM_ARGS, TOKEN
 
 

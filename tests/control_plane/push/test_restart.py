@@ -217,7 +217,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
     from control_plane.push.server import PushServer
     from engine_ext.config import OutputRateConfig
     from engine_ext.engine_core import connect_control_plane
-    from tests.engine_ext.sched_helpers import make_scheduler
+    from harness.scheduler import make_scheduler
 
     db_url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(db_url)
