@@ -63,7 +63,6 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     app.state.insecure_no_auth = insecure_no_auth
     app.state.db = Database(make_engine(settings.database_url))
     app.state.usage_source = NoUsage()
-    app.state.logger = logger
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)

@@ -6,7 +6,6 @@ message naming its variable (docs/control-plane.md, "Settings")."""
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -160,8 +159,3 @@ def settings_errors(error: Exception) -> list[str]:
             message = f"{variable(str(loc[0]))}: {message}"
         lines.append(message)
     return lines
-
-
-@lru_cache
-def get_settings() -> Settings:
-    return Settings()
