@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
+import msgspec
 from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
 
 from control_plane.models import (
@@ -23,6 +24,7 @@ from control_plane.models import (
     UserLimit,
     ViewerToken,
 )
+from engine_ext import protocol as p
 
 CONFIG_ROW_ID = 1
 
@@ -344,8 +346,10 @@ _INSERT_CHANGE = insert(config_changes)
 _INSERT_AUDIT = insert(audit_log)
 
 
-def add_change(conn: Connection, *, version: int, ops: list[dict[str, Any]]) -> None:
-    conn.execute(_INSERT_CHANGE, {"version": version, "ops": ops, "at": datetime.now(UTC)})
+def add_change(conn: Connection, *, version: int, ops: list[p.Op]) -> None:
+    """The change-log row of ``version``: its ops as the wire protocol's JSON."""
+    rows = msgspec.to_builtins(ops)
+    conn.execute(_INSERT_CHANGE, {"version": version, "ops": rows, "at": datetime.now(UTC)})
 
 
 def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:

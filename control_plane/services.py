@@ -22,6 +22,7 @@ from control_plane import repository as repo
 from control_plane.db import mark_new_version
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.repository import State, UserRecord
+from engine_ext import protocol as p
 from engine_ext.limits import effective_rate
 
 MAX_BULK_ITEMS = 10_000
@@ -216,7 +217,7 @@ def _record(
     target: str,
     before: Any,
     after: Any,
-    ops: list[dict[str, Any]],
+    ops: list[p.Op],
     new_users: int = 0,
 ) -> int:
     """The new version: bumped once, with its change-log row and its audit entry."""
@@ -274,7 +275,7 @@ def put_limit(
             target=user,
             before=before,
             after=after,
-            ops=[{"op": "set_user", "user": user, "tier": tier, "rate": rate}],
+            ops=[p.SetUser(user=user, tier=tier, rate=rate)],
             new_users=0 if record else 1,
         )
         new_record = UserRecord(tier, rate, version)
@@ -306,7 +307,7 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> None:
         target=user,
         before=_user_record(record),
         after=None,
-        ops=[{"op": "delete_user", "user": user}],
+        ops=[p.DeleteUser(user=user)],
         new_users=-1,
     )
     repo.delete_user(conn, user)
@@ -353,7 +354,7 @@ def bulk_put_limits(
         # One entry for one version, with every changed user's record before and after.
         before={u: _user_record(existing.get(u)) for u, _, _ in changed},
         after={u: {"tier": t, "output_tokens_per_second": r} for u, r, t in changed},
-        ops=[{"op": "set_user", "user": u, "tier": t, "rate": r} for u, r, t in changed],
+        ops=[p.SetUser(user=u, tier=t, rate=r) for u, r, t in changed],
         new_users=num_new,
     )
     repo.insert_users(
@@ -391,7 +392,7 @@ def put_tier(
         target=name,
         before=before,
         after=after,
-        ops=[{"op": "set_tier", "name": name, "rate": rate}],
+        ops=[p.SetTier(name=name, rate=rate)],
     )
     if tier is None:
         repo.insert_tier(conn, name=name, rate=rate, description=new_description, version=version)
@@ -418,7 +419,7 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
         target=name,
         before={"output_tokens_per_second": tier.rate, "description": tier.description},
         after=None,
-        ops=[{"op": "delete_tier", "name": name}],
+        ops=[p.DeleteTier(name=name)],
     )
     repo.delete_tier(conn, name)
 
@@ -435,7 +436,7 @@ def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, 
         target="default",
         before={"output_tokens_per_second": state.default_rate},
         after={"output_tokens_per_second": rate},
-        ops=[{"op": "set_default", "rate": rate}],
+        ops=[p.SetDefault(rate=rate)],
     )
     repo.set_default_rate(conn, rate)
     return {"output_tokens_per_second": rate, "version": version}

@@ -164,6 +164,9 @@ class PushServer:
         self._wake_sender: zmq.Socket | None = None
         self._dirty: set[bytes] = set()
         self._last_flush = 0.0
+        # The newest change-log version _publish has sent out (written by the
+        # IO thread, read by notify() on any thread: an int, read atomically).
+        self._published_version = 0
         # (version, encoded snapshot): engines connecting together share one read.
         self._snapshot_cache: tuple[int, bytes] | None = None
 
@@ -259,7 +262,9 @@ class PushServer:
         )
 
     def notify(self, version: int) -> None:
-        """Called after a write committed (any thread): publish it now."""
+        """Called after a write committed (any thread): publish ``version`` now."""
+        if version <= self._published_version:
+            return  # already sent (a later write's wake-up carried it)
         with self._wake_lock:
             if self._wake_sender is not None:
                 # Again: a wake-up is already pending.
@@ -449,6 +454,8 @@ class PushServer:
                 logger.exception("config change %d cannot be sent", version)
                 break
         newest = changes[-1][0]
+        if len(frames) == len(changes):
+            self._published_version = max(self._published_version, newest)
         for identity, peer in list(self.peers.items()):
             if peer.sent_version + 1 in frames:
                 while peer.sent_version + 1 in frames:
