@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
 from fastapi.responses import PlainTextResponse
@@ -25,12 +27,15 @@ from control_plane.schemas import (
     LimitIn,
     LimitOut,
     LimitPage,
+    LimitPatch,
     TierIn,
     TierList,
     TierOut,
+    TierPatch,
     TokenCreated,
     TokenIn,
     TokenList,
+    UsageHistoryOut,
     UsageList,
 )
 
@@ -44,6 +49,20 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}
 
 router = APIRouter(responses=ERRORS)
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def _merge_patch_body(model: type[Any]) -> dict[str, Any]:
+    """OpenAPI: the body is accepted as application/json and as a JSON merge patch."""
+    ref = {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": ref, MERGE_PATCH: ref},
+        }
+    }
+
 
 UserPath = Annotated[str, Path(min_length=1, max_length=256, pattern=USER_ID_PATTERN)]
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
@@ -103,6 +122,20 @@ async def put_limit(
     return view
 
 
+@router.patch(
+    "/limits/{user}",
+    response_model=LimitOut,
+    openapi_extra=_merge_patch_body(LimitPatch),
+    summary="Change only the fields sent (JSON merge patch, RFC 7396)",
+)
+async def patch_limit(
+    user: UserPath, body: LimitPatch, db: DatabaseDep, principal: WriterDep
+) -> dict[str, Any]:
+    changes = body.model_dump(include=body.model_fields_set)
+    view = await db.write(services.patch_limit, actor=principal.name, user=user, changes=changes)
+    return view
+
+
 @router.delete("/limits/{user}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_limit(user: UserPath, db: DatabaseDep, principal: WriterDep) -> Response:
     await db.write(services.delete_limit, actor=principal.name, user=user)
@@ -130,6 +163,21 @@ async def put_tier(
         rate=body.output_tokens_per_second,
         description=body.description,
     )
+    return view
+
+
+@router.patch(
+    "/tiers/{name}",
+    response_model=TierOut,
+    responses=NOT_FOUND,
+    openapi_extra=_merge_patch_body(TierPatch),
+    summary="Change only the fields sent (JSON merge patch, RFC 7396)",
+)
+async def patch_tier(
+    name: TierPath, body: TierPatch, db: DatabaseDep, principal: WriterDep
+) -> dict[str, Any]:
+    changes = body.model_dump(include=body.model_fields_set)
+    view = await db.write(services.patch_tier, actor=principal.name, name=name, changes=changes)
     return view
 
 
@@ -163,6 +211,37 @@ async def list_engines(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[
 @router.get("/usage", response_model=UsageList)
 async def usage(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, Any]:
     return {"items": await db.scan(request.app.state.usage_source.usage_items)}
+
+
+@router.get("/usage/history", response_model=UsageHistoryOut)
+async def usage_history(
+    request: Request,
+    db: DatabaseDep,
+    _: ReaderDep,
+    user: Annotated[
+        str | None, Query(min_length=1, max_length=256, pattern=USER_ID_PATTERN)
+    ] = None,
+    since: Annotated[datetime | None, Query(description="ISO 8601; default: one hour ago")] = None,
+    step: Annotated[
+        int, Query(ge=60, le=86_400, description="Seconds per bucket, whole minutes")
+    ] = 60,
+    top: Annotated[int, Query(ge=1, le=100, description="Without user: this many users")] = 10,
+    order: Annotated[Literal["throttled", "tokens"], Query()] = "throttled",
+) -> dict[str, Any]:
+    now = time.time()
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)  # a time without a zone is UTC
+    since_s = now - 3600 if since is None else since.timestamp()
+    result = await db.scan(
+        services.usage_history,
+        now=now,
+        since=since_s,
+        step=step,
+        user=user,
+        top=top,
+        order=order,
+    )
+    return {**result, "retention_days": request.app.state.settings.usage_retention_days}
 
 
 @router.get("/audit", response_model=AuditList)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     zmq_client_keys: str = ""
     # Seconds without a heartbeat before an engine is shown as disconnected.
     engine_timeout_s: float = 5.0
+    # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
+    usage_retention_days: int = Field(default=7, ge=1, le=3650)
 
 
 @lru_cache

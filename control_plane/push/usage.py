@@ -38,6 +38,8 @@ class UsageBook:
         self._lock = threading.Lock()
         # engine id -> (time received, report), oldest first
         self._reports: dict[str, deque[tuple[float, p.Usage]]] = {}
+        # Also called with every report (control_plane/history.py keeps the history).
+        self.on_report: list[Callable[[p.Usage], None]] = []
 
     def add(self, report: p.Usage) -> None:
         now = self._clock()
@@ -45,6 +47,8 @@ class UsageBook:
             reports = self._reports.setdefault(report.engine_id, deque())
             reports.append((now, report))
             self._expire(now)
+        for hook in self.on_report:
+            hook(report)
 
     def _expire(self, now: float) -> None:
         for engine_id, reports in list(self._reports.items()):
