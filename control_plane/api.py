@@ -90,9 +90,28 @@ async def list_limits(
             "page). Fast at any depth, unlike a large offset.",
         ),
     ] = None,
+    contains: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            pattern=USER_ID_PATTERN,
+            description="Substring of the user id (any case)",
+        ),
+    ] = None,
+    sort: Annotated[
+        Literal["user", "-user", "tier", "-tier", "override", "-override"],
+        Query(description="Order; '-' descending; no tier / no override last"),
+    ] = "user",
 ) -> dict[str, Any]:
     return await db.scan(
-        services.list_limits, offset=offset, limit=limit, tier=tier, prefix=q, after=after
+        services.list_limits,
+        offset=offset,
+        limit=limit,
+        tier=tier,
+        prefix=q,
+        after=after,
+        contains=contains,
+        sort=sort,
     )
 
 

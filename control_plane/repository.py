@@ -305,7 +305,23 @@ def prefix_upper_bound(prefix: str) -> str | None:
     return None
 
 
-def _filter(query: Any, *, tier: str | None, prefix: str | None) -> Any:
+# GET /limits?sort=: column, descending. The user id breaks ties (a stable order).
+SORT_KEYS: dict[str, tuple[Any, bool]] = {
+    "user": (user_limits.c.user, False),
+    "-user": (user_limits.c.user, True),
+    "tier": (user_limits.c.tier, False),
+    "-tier": (user_limits.c.tier, True),
+    "override": (user_limits.c.rate, False),
+    "-override": (user_limits.c.rate, True),
+}
+
+
+def _filter(
+    query: Any, *, tier: str | None, prefix: str | None, contains: str | None = None
+) -> Any:
+    if contains:
+        # Case-insensitive substring search: a scan, fine for the thousands of users an operator browses.
+        query = query.where(user_limits.c.user.icontains(contains, autoescape=True))
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
     if prefix:
@@ -326,18 +342,28 @@ def list_users(
     tier: str | None,
     prefix: str | None,
     after: str | None,
+    contains: str | None = None,
+    sort: str = "user",
 ) -> list[tuple[str, UserRecord]]:
     columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
-    query = _filter(select(*columns), tier=tier, prefix=prefix)
+    query = _filter(select(*columns), tier=tier, prefix=prefix, contains=contains)
     if after is not None:
         # Keyset paging: a seek into the index, as fast at user 900,000 as at the first.
         query = query.where(user_limits.c.user > after)
-    rows = conn.execute(query.order_by(user_limits.c.user).offset(offset).limit(limit))
+    column, descending = SORT_KEYS[sort]
+    # NULLs (no tier, no override) last either way.
+    key = column.desc().nulls_last() if descending else column.asc().nulls_last()
+    order = (key,) if column is user_limits.c.user else (key, user_limits.c.user)
+    rows = conn.execute(query.order_by(*order).offset(offset).limit(limit))
     return [(user, UserRecord(tier_, rate, version)) for user, tier_, rate, version in rows]
 
 
-def count_users(conn: Connection, *, tier: str | None, prefix: str | None) -> int:
-    query = _filter(select(func.count()).select_from(user_limits), tier=tier, prefix=prefix)
+def count_users(
+    conn: Connection, *, tier: str | None, prefix: str | None, contains: str | None = None
+) -> int:
+    query = _filter(
+        select(func.count()).select_from(user_limits), tier=tier, prefix=prefix, contains=contains
+    )
     return int(conn.execute(query).scalar() or 0)
 
 

@@ -118,14 +118,29 @@ def list_limits(
     tier: str | None,
     prefix: str | None,
     after: str | None = None,
+    contains: str | None = None,
+    sort: str = "user",
 ) -> dict[str, Any]:
     """A page of configured users in user-id order. `total` counts every user that
     matches `tier` and `prefix` (the cursor `after` and `offset` only move the page)."""
     state = repo.get_config(conn)
-    rows = repo.list_users(conn, offset=offset, limit=limit, tier=tier, prefix=prefix, after=after)
-    # Totals come from maintained counters; only a prefix filter needs an index range count.
-    if prefix:
-        total = repo.count_users(conn, tier=tier, prefix=prefix)
+    if after is not None and sort != "user":
+        raise InvalidInput(
+            "after: only with sort=user (use offset with other sorts)", field="after"
+        )
+    rows = repo.list_users(
+        conn,
+        offset=offset,
+        limit=limit,
+        tier=tier,
+        prefix=prefix,
+        after=after,
+        contains=contains,
+        sort=sort,
+    )
+    # Totals come from maintained counters; only a user-id filter needs a count.
+    if prefix or contains:
+        total = repo.count_users(conn, tier=tier, prefix=prefix, contains=contains)
     elif tier is not None:
         tier_row = repo.get_tier(conn, tier)
         total = tier_row.num_users if tier_row else 0

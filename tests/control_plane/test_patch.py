@@ -136,3 +136,30 @@ def test_both_are_in_the_openapi_schema_with_both_media_types(client: TestClient
     for path in ("/limits/{user}", "/tiers/{name}"):
         content = paths[path]["patch"]["requestBody"]["content"]
         assert set(content) == {"application/json", "application/merge-patch+json"}
+
+
+def test_users_by_substring_and_sorted(client: TestClient) -> None:
+    client.put("/tiers/a", json={"output_tokens_per_second": 1})
+    client.put("/tiers/b", json={"output_tokens_per_second": 2})
+    client.put("/limits/x-team_1", json={"tier": "b", "output_tokens_per_second": 5})
+    client.put("/limits/y-team%1", json={"tier": "a"})
+    client.put("/limits/z-solo", json={"output_tokens_per_second": 9})
+
+    def users(**params: object) -> list[str]:
+        body = client.get("/limits", params=params).json()
+        return [i["user"] for i in body["items"]]
+
+    assert users(contains="team") == ["x-team_1", "y-team%1"]
+    # % and _ are plain characters, not wildcards.
+    assert users(contains="m%") == ["y-team%1"]
+    assert users(contains="_") == ["x-team_1"]
+    assert client.get("/limits", params={"contains": "team", "tier": "a"}).json()["total"] == 1
+    assert users(sort="-user") == ["z-solo", "y-team%1", "x-team_1"]
+    assert users(sort="tier") == ["y-team%1", "x-team_1", "z-solo"]
+    assert users(sort="-tier") == ["x-team_1", "y-team%1", "z-solo"]
+    assert users(sort="-override") == ["z-solo", "x-team_1", "y-team%1"]
+    assert users(sort="override", offset=1, limit=1) == ["z-solo"]
+    response = client.get("/limits", params={"sort": "tier", "after": "a"})
+    assert response.status_code == 422 and response.json()["field"] == "after"
+    assert client.get("/limits", params={"sort": "rate"}).json()["field"] == "sort"
+    assert users(contains="TEAM") == ["x-team_1", "y-team%1"]
