@@ -265,9 +265,20 @@ async def usage_history(
 
 @router.get("/audit", response_model=AuditList)
 async def audit(
-    db: DatabaseDep, _: ReaderDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    db: DatabaseDep,
+    _: ReaderDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    target: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=272,
+            pattern=USER_ID_PATTERN,
+            description="Only entries about this target (a user, a tier, default, token:ID)",
+        ),
+    ] = None,
 ) -> dict[str, Any]:
-    return {"items": await db.scan(services.list_audit, limit=limit)}
+    return {"items": await db.scan(services.list_audit, limit=limit, target=target)}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -320,7 +320,7 @@ def _filter(
     query: Any, *, tier: str | None, prefix: str | None, contains: str | None = None
 ) -> Any:
     if contains:
-        # Case-insensitive substring search: a scan, fine for the thousands of users an operator browses.
+        # Case-insensitive substring: a scan, fine for the thousands of users one browses.
         query = query.where(user_limits.c.user.icontains(contains, autoescape=True))
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
@@ -410,8 +410,11 @@ def add_audit(
     )
 
 
-def list_audit(conn: Connection, *, limit: int) -> Sequence[Row[Any]]:
-    return conn.execute(select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)).all()
+def list_audit(conn: Connection, *, limit: int, target: str | None = None) -> Sequence[Row[Any]]:
+    query = select(audit_log)
+    if target is not None:
+        query = query.where(audit_log.c.target == target)
+    return conn.execute(query.order_by(audit_log.c.id.desc()).limit(limit)).all()
 
 
 # ---- viewer tokens -------------------------------------------------------------

@@ -565,7 +565,7 @@ def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, 
     return {"output_tokens_per_second": rate, "version": version}
 
 
-def list_audit(conn: Connection, *, limit: int) -> list[dict[str, Any]]:
+def list_audit(conn: Connection, *, limit: int, target: str | None = None) -> list[dict[str, Any]]:
     return [
         {
             "at": e.at.isoformat(),
@@ -576,7 +576,7 @@ def list_audit(conn: Connection, *, limit: int) -> list[dict[str, Any]]:
             "before": e.before,
             "after": e.after,
         }
-        for e in repo.list_audit(conn, limit=limit)
+        for e in repo.list_audit(conn, limit=limit, target=target)
     ]
 
 

@@ -163,3 +163,12 @@ def test_users_by_substring_and_sorted(client: TestClient) -> None:
     assert response.status_code == 422 and response.json()["field"] == "after"
     assert client.get("/limits", params={"sort": "rate"}).json()["field"] == "sort"
     assert users(contains="TEAM") == ["x-team_1", "y-team%1"]
+
+
+def test_audit_filtered_by_target(client: TestClient) -> None:
+    client.put("/tiers/pro", json={"output_tokens_per_second": 100})
+    client.put("/limits/alice", json={"tier": "pro"})
+    client.patch("/tiers/pro", json={"description": "paid"})
+    entries = client.get("/audit", params={"target": "pro"}).json()["items"]
+    assert [e["action"] for e in entries] == ["patch_tier", "put_tier"]
+    assert client.get("/audit", params={"target": "nobody"}).json()["items"] == []
