@@ -28,6 +28,7 @@ from control_plane.schemas import (
     LimitOut,
     LimitPage,
     LimitPatch,
+    SessionOut,
     TierIn,
     TierList,
     TierOut,
@@ -71,6 +72,12 @@ TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
 @router.get("/healthz", response_model=Health)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/session", response_model=SessionOut)
+async def session(principal: ReaderDep) -> dict[str, Any]:
+    """Who the bearer token is: the UI shows write controls only when can_write."""
+    return {"name": principal.name, "can_write": principal.can_write}
 
 
 @router.get("/limits", response_model=LimitPage)

@@ -187,5 +187,10 @@ class ErrorOut(BaseModel):
     errors: list[FieldError] | None = None
 
 
+class SessionOut(BaseModel):
+    name: str = Field(description='"admin" or "viewer:<token name>"')
+    can_write: bool
+
+
 class Health(BaseModel):
     status: str

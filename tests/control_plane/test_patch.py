@@ -172,3 +172,11 @@ def test_audit_filtered_by_target(client: TestClient) -> None:
     entries = client.get("/audit", params={"target": "pro"}).json()["items"]
     assert [e["action"] for e in entries] == ["patch_tier", "put_tier"]
     assert client.get("/audit", params={"target": "nobody"}).json()["items"] == []
+
+
+def test_session_says_who_the_token_is(client: TestClient) -> None:
+    assert client.get("/session").json() == {"name": "admin", "can_write": True}
+    token = client.post("/tokens", json={"name": "dash"}).json()["token"]
+    viewer = client.get("/session", headers={"Authorization": f"Bearer {token}"}).json()
+    assert viewer == {"name": "viewer:dash", "can_write": False}
+    assert client.get("/session", headers={"Authorization": "Bearer wrong"}).status_code == 401
