@@ -71,6 +71,8 @@ function markerPlugin(getMarks) {
   };
 }
 
+const Y_SHARE = "% of the user's limit";
+const Y_RATE = "output tokens/s";
 const hhmm = (s) => new Date(s * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
 
 export function historyChart({ user = null, range = "1h", order = "throttled", onRange = null } = {}) {
@@ -127,10 +129,10 @@ export function historyChart({ user = null, range = "1h", order = "throttled", o
       draw({
         series: [{}, { label: `${user} tok/s`, stroke: colour[user] || PALETTE[0], width: 2, spanGaps: false },
           { label: "limit", stroke: "#6b7280", dash: [6, 4], width: 1.5, spanGaps: false }],
-        axes: [{}, { label: "output tokens/s", size: 60 }],
+        axes: [{}, { label: Y_RATE, size: 60 }],
         scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max * 1.1)] } },
       }, [times, s.output_tokens_per_second, limits]);
-      plotBox.setAttribute("aria-label", `${user}: output tokens per second against the limit, last ${RANGES[state.range][2]}`);
+      plotBox.setAttribute("aria-label", `${user}: ${Y_RATE} against the limit over time, last ${RANGES[state.range][2]}`);
       rows.push(h("p", { class: "hint" }, `${fmtInt(s.tokens)} tokens granted, ${fmtInt(s.throttled)} throttled request-steps in this range. Gaps: no engine reported this user then.`));
       for (const m of limitChanges(s.output_tokens_per_second, s.limit)) rows.push(h("p", { class: "hint" }, `Limit changed at ${hhmm(times[m.i])}: ${fmtRateUnit(m.from)} → ${fmtRateUnit(m.to)}`));
     } else {
@@ -154,10 +156,10 @@ export function historyChart({ user = null, range = "1h", order = "throttled", o
       }
       draw({
         series,
-        axes: [{}, { label: "% of the user's limit", size: 60, values: (u, vals) => vals.map((v) => `${v}%`) }],
+        axes: [{}, { label: Y_SHARE, size: 60, values: (u, vals) => vals.map((v) => `${v}%`) }],
         scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(110, Math.ceil((max || 0) / 10) * 10 + 10)] } },
       }, values);
-      plotBox.setAttribute("aria-label", `share of limit of the ${TOP_N} ${state.order === "tokens" ? "busiest" : "most throttled"} users, last ${RANGES[state.range][2]}`);
+      plotBox.setAttribute("aria-label", `${Y_SHARE} of the ${TOP_N} ${state.order === "tokens" ? "busiest" : "most throttled"} users over time, last ${RANGES[state.range][2]}`);
       rows.unshift(h("p", { class: "hint" }, "Gaps: no engine reported the user then (e.g. an engine disconnected). Dashed lines: limit changes."));
     }
     plotBox.dataset.series = String(plot.series.length - 1);

@@ -19,7 +19,8 @@ export function fieldError(form, field, message) {
   const note = h("p", { class: "field-error", id, role: "alert" }, message);
   if (control) {
     anchor.append(note);
-    const input = control.matches("input,select,textarea") ? control : control.querySelector("input,select,textarea");
+    const input = control.matches("input,select,textarea") ? control
+      : control.querySelector("input[type=text], input:not([type]), select, textarea") || control.querySelector("input");
     if (input) {
       input.setAttribute("aria-invalid", "true");
       input.setAttribute("aria-describedby", id);

@@ -56,19 +56,20 @@ export async function render(main, route) {
   sort.addEventListener("change", () => changed());
 
   main.replaceChildren(h("h2", { class: "view-title" }, "Users"),
-    section("Find or add a user", findForm()),
+    section(writer ? "Find or add a user" : "Find a user", findForm()),
     section("Configured users", filters, total, box, h("div", { class: "row" }, prev, next)));
   if (writer) main.append(section("Bulk import", bulkForm()));
 
   function findForm() {
     const id = h("input", { id: "open-user", autocomplete: "off", "data-field": "user", maxlength: 256 });
-    const form = h("form", { id: "open-user-form", class: "row" },
+    const form = h("form", { id: "open-user-form", class: "row", role: "search" },
       h("label", { for: "open-user" }, "User id"), id, h("button", { type: "submit" }, "Open user"));
     handleSubmit(form, async () => {
       const user = id.value.trim();
       if (!user) throw new FieldError("user", "User id: enter the id your clients send as output_rate_user.");
       if (/[\x00-\x1f\x7f]/.test(user)) throw new FieldError("user", "User id: control characters are not allowed.");
-      await openUser(user);
+      // A viewer only looks: an unconfigured id shows the default that applies to it.
+      if (writer) await openUser(user); else location.hash = link("users", user);
       return null;
     });
     return form;
