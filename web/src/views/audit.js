@@ -16,7 +16,7 @@ export function describe(action, value) {
     if (/limit/.test(action)) parts.push(rate === null ? "no override" : `override ${fmtRateUnit(rate)}`);
     else parts.push(`rate ${fmtRateUnit(rate)}`);
   }
-  if ("description" in value) parts.push(`description “${value.description}”`);
+  if ("description" in value) parts.push(value.description ? `description “${value.description}”` : "no description");
   if ("name" in value) parts.push(`name ${value.name}`);
   if ("revoked" in value) parts.push(value.revoked ? "revoked" : "active");
   return parts.join(", ");
