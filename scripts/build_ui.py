@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
 OUT = ROOT / "control_plane" / "ui"
 
-# Our own files, copied as they are; plus every ES module under web/src/ (the views).
-FIRST_PARTY = ("index.html", "app.js", "style.css")
+# Our own files, copied as they are; plus every ES module under web/src/ (the views;
+# pyproject.toml's package-data lists ui/src/* and ui/src/views/*).
+FIRST_PARTY = ("index.html", "app.js", "style.css", "favicon.svg")
 MODULES_DIR = "src"
 # node_modules path -> served path (index.html refers to the served path).
 THIRD_PARTY = {
@@ -64,16 +65,16 @@ def _unshipped_imports(sources: dict[str, Path]) -> list[str]:
     return bad
 
 
+def first_party_files(web: Path = WEB) -> list[str]:
+    """Our served files: FIRST_PARTY and the ES modules under web/src/ (served paths)."""
+    modules = sorted(p.relative_to(web).as_posix() for p in (web / MODULES_DIR).rglob("*.js"))
+    return [*FIRST_PARTY, *modules]
+
+
 def build(web: Path = WEB, out: Path = OUT) -> list[Path]:
     """Replace `out` with the UI's files; return them. Fails before touching `out`."""
     node_modules = web / "node_modules"
-    sources = {name: web / name for name in FIRST_PARTY}
-    sources.update(
-        {
-            path.relative_to(web).as_posix(): path
-            for path in sorted((web / MODULES_DIR).rglob("*.js"))
-        }
-    )
+    sources = {name: web / name for name in first_party_files(web)}
     sources.update({served: node_modules / src for src, served in THIRD_PARTY.items()})
     missing = [str(path) for path in sources.values() if not path.is_file()]
     if missing:

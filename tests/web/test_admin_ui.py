@@ -300,6 +300,22 @@ def test_users_search_filter_sort_and_pages(admin: Page, served: ControlPlane) -
     admin.get_by_role("link", name="Open user user-00001").count()
 
 
+def test_bulk_import_previews_what_it_replaces(admin: Page, served: ControlPlane) -> None:
+    admin.goto(f"{served.url}/ui/#/users")
+    admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nbulk-bad,,fast")
+    admin.get_by_role("button", name="Preview and import").click()
+    expect(admin.locator("#bulk-form .field-error")).to_contain_text("Line 3: override “fast”")
+    admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12")
+    admin.get_by_role("button", name="Preview and import").click()
+    dialog = admin.locator("#confirm")
+    expect(dialog).to_contain_text("1 existing users: their records are replaced.")
+    expect(dialog).to_contain_text("1 new users are created.")
+    dialog.get_by_role("button", name="Import 2 users").click()
+    toast(admin).to_contain_text("Imported: 2 users changed")
+    assert limit(served, "bulk-new")["output_tokens_per_second"] == 12
+    assert limit(served, "user-00003")["tier"] == "free"
+
+
 def test_changes_made_elsewhere_show_up_without_reload(admin: Page, served: ControlPlane) -> None:
     admin.goto(f"{served.url}/ui/#/tiers")
     row = admin.locator('#tiers tr[data-tier="basic"]')
