@@ -42,6 +42,7 @@ async function route({ focus = true } = {}) {
   if (current && current.destroy) current.destroy();
   current = null;
   const r = parseHash();
+  delete main.dataset.ready;
   const module = r.view === "users" && r.arg !== null ? user : VIEWS[r.view];
   for (const a of document.querySelectorAll("#nav a")) {
     if (a.dataset.view === r.view) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
@@ -60,6 +61,7 @@ async function route({ focus = true } = {}) {
     const view = await module.render(main, r);
     if (mine !== generation) { if (view && view.destroy) view.destroy(); return; }
     current = view || {};
+    main.dataset.ready = r.arg === null ? r.view : `${r.view}/${r.arg}`; // rendered with data
     if (focus) { const title = main.querySelector(".view-title"); if (title) { title.tabIndex = -1; title.focus(); } }
     if (current.refresh) {
       timer = setInterval(async () => {

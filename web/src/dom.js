@@ -25,7 +25,12 @@ export const plural = (n, one, many = `${one}s`) => `${fmtInt(n)} ${n === 1 ? on
 export const fmtTime = (iso) => new Date(iso).toLocaleString();
 
 // A table inside a horizontally scrolling box (narrow screens keep the page width).
-export function table(caption, headers, rows, attrs = {}) {
+// With stack: true, a phone shows each row as a small card labelled by the headers.
+export function table(caption, headers, rows, attrs = {}, { stack = false } = {}) {
+  for (const row of rows) {
+    [...row.children].forEach((td, i) => { if (headers[i]) td.dataset.label = headers[i]; });
+  }
+  if (stack) attrs = { ...attrs, class: `${attrs.class || ""} stack-narrow`.trim() };
   return h("div", { class: "table-wrap" },
     h("table", attrs,
       h("caption", { class: "visually-hidden" }, caption),

@@ -36,7 +36,7 @@ export function auditTable(items, caption = "audit log") {
       h("td", {}, e.action.replace(/_/g, " ")),
       h("td", {}, targetLink(e)),
       h("td", {}, describe(e.action, e.before)),
-      h("td", {}, describe(e.action, e.after)))), { id: "audit" });
+      h("td", {}, describe(e.action, e.after)))), { id: "audit" }, { stack: true });
 }
 
 export async function render(main, route) {

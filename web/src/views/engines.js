@@ -17,7 +17,7 @@ export async function render(main) {
           h("td", {}, e.model || "–"),
           h("td", { class: e.applied_version < version ? "stale" : "" }, e.applied_version < version ? `${e.applied_version} (behind)` : String(e.applied_version)),
           h("td", {}, e.connected ? "yes" : "no"),
-          h("td", {}, fmtTime(e.last_seen)))), { id: "engines" })
+          h("td", {}, fmtTime(e.last_seen)))), { id: "engines" }, { stack: true })
         : h("p", {}, "No engine has connected yet."));
   }
   await refresh();

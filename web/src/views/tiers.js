@@ -140,7 +140,7 @@ export async function render(main) {
             editBox.replaceChildren(editTierForm(t));
             editBox.querySelector("h3").focus();
           } }, "Edit"),
-          h("button", { type: "button", class: "danger", "aria-label": `Delete tier ${t.name}`, onclick: () => deleteTier(t) }, "Delete")) : null)), { id: "tiers" })
+          h("button", { type: "button", class: "danger", "aria-label": `Delete tier ${t.name}`, onclick: () => deleteTier(t) }, "Delete")) : null)), { id: "tiers" }, { stack: true })
       : h("p", { class: "hint" }, "No tiers yet."));
   }
   await refresh();

@@ -50,7 +50,7 @@ export async function render(main) {
               await refresh();
             } catch (error) { toast(error.message, "error"); }
           },
-        }, "Revoke")))), { id: "tokens" })
+        }, "Revoke")))), { id: "tokens" }, { stack: true })
       : h("p", { class: "hint" }, "No viewer tokens yet."));
   }
   await refresh();
