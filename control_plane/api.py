@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
 from fastapi.responses import PlainTextResponse
@@ -29,12 +31,16 @@ from control_plane.schemas import (
     LimitIn,
     LimitOut,
     LimitPage,
+    LimitPatch,
+    SessionOut,
     TierIn,
     TierList,
     TierOut,
+    TierPatch,
     TokenCreated,
     TokenIn,
     TokenList,
+    UsageHistoryOut,
     UsageList,
 )
 
@@ -49,6 +55,20 @@ CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}
 
 router = APIRouter(responses=ERRORS)
 
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def _merge_patch_body(model: type[Any]) -> dict[str, Any]:
+    """OpenAPI: the body is accepted as application/json and as a JSON merge patch."""
+    ref = {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": ref, MERGE_PATCH: ref},
+        }
+    }
+
+
 UserPath = Annotated[str, Path(min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)]
 EnginePath = Annotated[
     str, Path(min_length=1, max_length=MAX_ENGINE_ID_LEN, pattern=ENGINE_ID_PATTERN)
@@ -59,6 +79,12 @@ TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
 @router.get("/healthz", response_model=Health)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/session", response_model=SessionOut)
+async def session(principal: ReaderDep) -> dict[str, Any]:
+    """Who the bearer token is: the UI shows write controls only when can_write."""
+    return {"name": principal.name, "can_write": principal.can_write}
 
 
 @router.get("/limits", response_model=LimitPage)
@@ -78,9 +104,28 @@ async def list_limits(
             "page). Fast at any depth, unlike a large offset.",
         ),
     ] = None,
+    contains: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            pattern=USER_ID_PATTERN,
+            description="Substring of the user id (any case)",
+        ),
+    ] = None,
+    sort: Annotated[
+        Literal["user", "-user", "tier", "-tier", "override", "-override"],
+        Query(description="Order; '-' descending; no tier / no override last"),
+    ] = "user",
 ) -> dict[str, Any]:
     return await db.scan(
-        services.list_limits, offset=offset, limit=limit, tier=tier, prefix=q, after=after
+        services.list_limits,
+        offset=offset,
+        limit=limit,
+        tier=tier,
+        prefix=q,
+        after=after,
+        contains=contains,
+        sort=sort,
     )
 
 
@@ -107,6 +152,20 @@ async def put_limit(
         rate=body.output_tokens_per_second,
         tier=body.tier,
     )
+    return view
+
+
+@router.patch(
+    "/limits/{user}",
+    response_model=LimitOut,
+    openapi_extra=_merge_patch_body(LimitPatch),
+    summary="Change only the fields sent (JSON merge patch, RFC 7396)",
+)
+async def patch_limit(
+    user: UserPath, body: LimitPatch, db: DatabaseDep, principal: WriterDep
+) -> dict[str, Any]:
+    changes = body.model_dump(include=body.model_fields_set)
+    view = await db.write(services.patch_limit, actor=principal.name, user=user, changes=changes)
     return view
 
 
@@ -137,6 +196,21 @@ async def put_tier(
         rate=body.output_tokens_per_second,
         description=body.description,
     )
+    return view
+
+
+@router.patch(
+    "/tiers/{name}",
+    response_model=TierOut,
+    responses=NOT_FOUND,
+    openapi_extra=_merge_patch_body(TierPatch),
+    summary="Change only the fields sent (JSON merge patch, RFC 7396)",
+)
+async def patch_tier(
+    name: TierPath, body: TierPatch, db: DatabaseDep, principal: WriterDep
+) -> dict[str, Any]:
+    changes = body.model_dump(include=body.model_fields_set)
+    view = await db.write(services.patch_tier, actor=principal.name, name=name, changes=changes)
     return view
 
 
@@ -182,6 +256,37 @@ async def usage(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, An
     return {"items": await db.scan(request.app.state.usage_source.usage_items)}
 
 
+@router.get("/usage/history", response_model=UsageHistoryOut)
+async def usage_history(
+    request: Request,
+    db: DatabaseDep,
+    _: ReaderDep,
+    user: Annotated[
+        str | None, Query(min_length=1, max_length=256, pattern=USER_ID_PATTERN)
+    ] = None,
+    since: Annotated[datetime | None, Query(description="ISO 8601; default: one hour ago")] = None,
+    step: Annotated[
+        int, Query(ge=60, le=86_400, description="Seconds per bucket, whole minutes")
+    ] = 60,
+    top: Annotated[int, Query(ge=1, le=100, description="Without user: this many users")] = 10,
+    order: Annotated[Literal["throttled", "tokens"], Query()] = "throttled",
+) -> dict[str, Any]:
+    now = time.time()
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)  # a time without a zone is UTC
+    since_s = now - 3600 if since is None else since.timestamp()
+    result = await db.scan(
+        services.usage_history,
+        now=now,
+        since=since_s,
+        step=step,
+        user=user,
+        top=top,
+        order=order,
+    )
+    return {**result, "retention_days": request.app.state.settings.usage_retention_days}
+
+
 @router.get("/audit", response_model=AuditList)
 async def audit(
     db: DatabaseDep,
@@ -191,8 +296,17 @@ async def audit(
         int | None,
         Query(ge=1, le=2**31 - 1, description="Cursor: next_before_id of the previous page"),
     ] = None,
+    target: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=MAX_USER_ID_LEN + 16,
+            pattern=USER_ID_PATTERN,
+            description="Only entries about this target (a user, a tier, default, token:ID)",
+        ),
+    ] = None,
 ) -> dict[str, Any]:
-    return await db.scan(services.list_audit, limit=limit, before_id=before_id)
+    return await db.scan(services.list_audit, limit=limit, before_id=before_id, target=target)
 
 
 @router.get("/audit/{entry_id}/changes", response_model=AuditChanges, responses=NOT_FOUND)

@@ -61,6 +61,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     app = create_app(settings, insecure_no_auth=args.insecure_no_auth)
     # The live push endpoint (control_plane/push) runs beside the API and stops with it.
     push = start_push_server(app, settings)
+    history = start_usage_history(app, settings, push)
     print(
         startup_summary(settings, host, port, push.endpoint, auth=not args.insecure_no_auth),
         file=sys.stderr,
@@ -78,6 +79,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         if push is not None:
             push.close()
+        history.close()
     return 0
 
 
@@ -117,6 +119,18 @@ def start_push_server(app: FastAPI, settings: Settings) -> Any:
     server = PushServer.for_app(app, settings)
     server.start()
     return server
+
+
+def start_usage_history(app: FastAPI, settings: Settings, push: Any) -> Any:
+    """Per-minute usage rollups of what the push endpoint receives (control_plane/history)."""
+    from control_plane.history import UsageRecorder
+
+    recorder = UsageRecorder(app.state.db, retention_days=settings.usage_retention_days)
+    push.usage.on_report.append(recorder.add)
+    # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
+    app.router.on_shutdown.append(recorder.close)
+    recorder.start()
+    return recorder
 
 
 def keys(args: argparse.Namespace) -> int:

@@ -169,3 +169,22 @@ class Engine(Base):
     connected: Mapped[bool] = mapped_column(default=False)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class UsageMinute(Base):
+    """What engines reported for one user in one minute (GET /usage/history).
+
+    Written by control_plane/history.py; rows older than the retention
+    (OUTPUT_RATE_USAGE_RETENTION_DAYS) are pruned."""
+
+    __tablename__ = "usage_minutes"
+    __table_args__ = (Index("ix_usage_minutes_minute", "minute"),)
+
+    user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), primary_key=True)
+    # Unix time (seconds) of the minute's start, as the control plane received the reports.
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    # Output tokens granted, request-steps refused a token (summed over engines).
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    throttled: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The user's effective limit when the minute was last written (null: unlimited).
+    limit_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)

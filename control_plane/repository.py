@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from control_plane.models import (
     AuditEntry,
@@ -21,6 +22,7 @@ from control_plane.models import (
     ConfigState,
     Engine,
     Tier,
+    UsageMinute,
     UserLimit,
     ViewerToken,
 )
@@ -42,6 +44,7 @@ config_changes = _table(ConfigChange)
 audit_log = _table(AuditEntry)
 viewer_tokens = _table(ViewerToken)
 engines = _table(Engine)
+usage_minutes = _table(UsageMinute)
 
 
 class State(NamedTuple):
@@ -304,7 +307,23 @@ def prefix_upper_bound(prefix: str) -> str | None:
     return None
 
 
-def _filter(query: Any, *, tier: str | None, prefix: str | None) -> Any:
+# GET /limits?sort=: column, descending. The user id breaks ties (a stable order).
+SORT_KEYS: dict[str, tuple[Any, bool]] = {
+    "user": (user_limits.c.user, False),
+    "-user": (user_limits.c.user, True),
+    "tier": (user_limits.c.tier, False),
+    "-tier": (user_limits.c.tier, True),
+    "override": (user_limits.c.rate, False),
+    "-override": (user_limits.c.rate, True),
+}
+
+
+def _filter(
+    query: Any, *, tier: str | None, prefix: str | None, contains: str | None = None
+) -> Any:
+    if contains:
+        # Case-insensitive substring: a scan, fine for the thousands of users one browses.
+        query = query.where(user_limits.c.user.icontains(contains, autoescape=True))
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
     if prefix:
@@ -325,18 +344,28 @@ def list_users(
     tier: str | None,
     prefix: str | None,
     after: str | None,
+    contains: str | None = None,
+    sort: str = "user",
 ) -> list[tuple[str, UserRecord]]:
     columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
-    query = _filter(select(*columns), tier=tier, prefix=prefix)
+    query = _filter(select(*columns), tier=tier, prefix=prefix, contains=contains)
     if after is not None:
         # Keyset paging: a seek into the index, as fast at user 900,000 as at the first.
         query = query.where(user_limits.c.user > after)
-    rows = conn.execute(query.order_by(user_limits.c.user).offset(offset).limit(limit))
+    column, descending = SORT_KEYS[sort]
+    # NULLs (no tier, no override) last either way.
+    key = column.desc().nulls_last() if descending else column.asc().nulls_last()
+    order = (key,) if column is user_limits.c.user else (key, user_limits.c.user)
+    rows = conn.execute(query.order_by(*order).offset(offset).limit(limit))
     return [(user, UserRecord(tier_, rate, version)) for user, tier_, rate, version in rows]
 
 
-def count_users(conn: Connection, *, tier: str | None, prefix: str | None) -> int:
-    query = _filter(select(func.count()).select_from(user_limits), tier=tier, prefix=prefix)
+def count_users(
+    conn: Connection, *, tier: str | None, prefix: str | None, contains: str | None = None
+) -> int:
+    query = _filter(
+        select(func.count()).select_from(user_limits), tier=tier, prefix=prefix, contains=contains
+    )
     return int(conn.execute(query).scalar() or 0)
 
 
@@ -385,10 +414,14 @@ def add_audit(
     )
 
 
-def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> Sequence[Row[Any]]:
+def list_audit(
+    conn: Connection, *, limit: int, before_id: int | None = None, target: str | None = None
+) -> Sequence[Row[Any]]:
     query = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
     if before_id is not None:
         query = query.where(audit_log.c.id < before_id)
+    if target is not None:
+        query = query.where(audit_log.c.target == target)
     return conn.execute(query).all()
 
 
@@ -495,3 +528,70 @@ def delete_engines_seen_before(conn: Connection, cutoff: datetime) -> int:
 def delete_engine(conn: Connection, engine_id: str) -> bool:
     result = conn.execute(delete(engines).where(engines.c.engine_id == engine_id))
     return bool(result.rowcount)
+
+
+# ---- usage history -------------------------------------------------------------
+
+
+class UsageRow(NamedTuple):
+    user: str
+    minute: int
+    tokens: int
+    throttled: int
+    limit_rate: int | None
+
+
+def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
+    """Add the counts to each (user, minute) row, creating it if new; the limit is replaced."""
+    if not rows:
+        return
+    dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    statement = dialect_insert(usage_minutes)
+    statement = statement.on_conflict_do_update(
+        index_elements=[usage_minutes.c.user, usage_minutes.c.minute],
+        set_={
+            "tokens": usage_minutes.c.tokens + statement.excluded.tokens,
+            "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
+            "limit_rate": statement.excluded.limit_rate,
+        },
+    )
+    conn.execute(statement, [r._asdict() for r in rows])
+
+
+def delete_usage_before(conn: Connection, minute: int) -> int:
+    result = conn.execute(delete(usage_minutes).where(usage_minutes.c.minute < minute))
+    return int(result.rowcount or 0)
+
+
+def usage_rows(
+    conn: Connection, *, users: Sequence[str] | None, since: int, until: int
+) -> list[UsageRow]:
+    """Rows with since <= minute < until (of these users; None: every user), by minute."""
+    query = select(
+        usage_minutes.c.user,
+        usage_minutes.c.minute,
+        usage_minutes.c.tokens,
+        usage_minutes.c.throttled,
+        usage_minutes.c.limit_rate,
+    ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
+    if users is not None:
+        query = query.where(usage_minutes.c.user.in_(list(users)))
+    return [UsageRow(*r) for r in conn.execute(query.order_by(usage_minutes.c.minute))]
+
+
+def top_usage_users(
+    conn: Connection, *, since: int, until: int, order: str, limit: int
+) -> list[str]:
+    """The users with the most throttled request-steps ("throttled", then tokens) or the
+    most tokens ("tokens") in the range."""
+    throttled = func.sum(usage_minutes.c.throttled)
+    tokens = func.sum(usage_minutes.c.tokens)
+    keys = (throttled.desc(), tokens.desc()) if order == "throttled" else (tokens.desc(),)
+    query = (
+        select(usage_minutes.c.user)
+        .where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
+        .group_by(usage_minutes.c.user)
+        .order_by(*keys, usage_minutes.c.user)
+        .limit(limit)
+    )
+    return list(conn.execute(query).scalars())

@@ -28,6 +28,7 @@ TierName = Annotated[str, Field(strict=True, pattern=TIER_NAME_PATTERN)]
 UserId = Annotated[
     str, Field(strict=True, min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)
 ]
+Description = Annotated[str, Field(strict=True, max_length=1000, pattern=TEXT_PATTERN)]
 
 
 class _Body(BaseModel):
@@ -49,9 +50,23 @@ class BulkIn(_Body):
 
 class TierIn(_Body):
     output_tokens_per_second: Rate | None = None
-    description: (
-        Annotated[str, Field(strict=True, max_length=1000, pattern=TEXT_PATTERN)] | None
-    ) = None
+    description: Description | None = None
+
+
+class LimitPatch(_Body):
+    """JSON merge patch (RFC 7396) of a user's record: only the fields sent change;
+    null clears the field (no override = the tier's or default rate; no tier)."""
+
+    output_tokens_per_second: Rate | None = None
+    tier: TierName | None = None
+
+
+class TierPatch(_Body):
+    """JSON merge patch of a tier: only the fields sent change; a rate of null is
+    unlimited, a description of null is empty."""
+
+    output_tokens_per_second: Rate | None = None
+    description: Description | None = None
 
 
 class DefaultIn(_Body):
@@ -121,6 +136,26 @@ class UsageList(BaseModel):
     items: list[dict[str, Any]]
 
 
+class HistorySeries(BaseModel):
+    user: str
+    output_tokens_per_second: list[float | None] = Field(
+        description="Per bucket: tokens/s while reported; null = nothing reported (a gap)"
+    )
+    throttled_fraction: list[float | None]
+    limit: list[int | None] = Field(description="Per bucket: the limit then; null = unlimited")
+    tokens: int
+    throttled: int
+
+
+class UsageHistoryOut(BaseModel):
+    since: int = Field(description="Unix time (s) of the first bucket")
+    until: int
+    step: int = Field(description="Seconds per bucket")
+    retention_days: int
+    times: list[int] = Field(description="Unix time (s) each bucket starts")
+    items: list[HistorySeries]
+
+
 class AuditOut(BaseModel):
     id: int
     at: datetime
@@ -183,6 +218,11 @@ class ErrorOut(BaseModel):
     detail: str
     field: str | None = None
     errors: list[FieldError] | None = None
+
+
+class SessionOut(BaseModel):
+    name: str = Field(description='"admin" or "viewer:<token name>"')
+    can_write: bool
 
 
 class Health(BaseModel):

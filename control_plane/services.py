@@ -118,14 +118,29 @@ def list_limits(
     tier: str | None,
     prefix: str | None,
     after: str | None = None,
+    contains: str | None = None,
+    sort: str = "user",
 ) -> dict[str, Any]:
     """A page of configured users in user-id order. `total` counts every user that
     matches `tier` and `prefix` (the cursor `after` and `offset` only move the page)."""
     state = repo.get_config(conn)
-    rows = repo.list_users(conn, offset=offset, limit=limit, tier=tier, prefix=prefix, after=after)
-    # Totals come from maintained counters; only a prefix filter needs an index range count.
-    if prefix:
-        total = repo.count_users(conn, tier=tier, prefix=prefix)
+    if after is not None and sort != "user":
+        raise InvalidInput(
+            "after: only with sort=user (use offset with other sorts)", field="after"
+        )
+    rows = repo.list_users(
+        conn,
+        offset=offset,
+        limit=limit,
+        tier=tier,
+        prefix=prefix,
+        after=after,
+        contains=contains,
+        sort=sort,
+    )
+    # Totals come from maintained counters; only a user-id filter needs a count.
+    if prefix or contains:
+        total = repo.count_users(conn, tier=tier, prefix=prefix, contains=contains)
     elif tier is not None:
         tier_row = repo.get_tier(conn, tier)
         total = tier_row.num_users if tier_row else 0
@@ -264,6 +279,65 @@ def put_limit(
     state = repo.lock_config(conn)
     tier_rate = _tier_rate(conn, tier)
     record = repo.get_user(conn, user)
+    return _set_user(
+        conn,
+        state,
+        actor=actor,
+        action="put_limit",
+        user=user,
+        record=record,
+        rate=rate,
+        tier=tier,
+        tier_rate=tier_rate,
+    )
+
+
+def patch_limit(
+    conn: Connection, *, actor: str, user: str, changes: dict[str, Any]
+) -> dict[str, Any]:
+    """JSON merge patch of a user's record: only the keys in `changes`
+    ("output_tokens_per_second", "tier") change; the others keep their value.
+    A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
+    state = repo.lock_config(conn)
+    record = repo.get_user(conn, user)
+    current = _user_record(record) or {"tier": None, "output_tokens_per_second": None}
+    merged = {**current, **changes}
+    tier = merged["tier"]
+    tier_rate = _tier_rate(conn, tier)
+    if record is None and merged == current:
+        return limit_view(
+            user=user,
+            record=None,
+            tier_rate=None,
+            state_version=state.version,
+            default_rate=state.default_rate,
+        )
+    return _set_user(
+        conn,
+        state,
+        actor=actor,
+        action="patch_limit",
+        user=user,
+        record=record,
+        rate=merged["output_tokens_per_second"],
+        tier=tier,
+        tier_rate=tier_rate,
+    )
+
+
+def _set_user(
+    conn: Connection,
+    state: State,
+    *,
+    actor: str,
+    action: str,
+    user: str,
+    record: UserRecord | None,
+    rate: int | None,
+    tier: str | None,
+    tier_rate: int | None,
+) -> dict[str, Any]:
+    """Write the user's new record (if it differs) as one version; return its view."""
     before = _user_record(record)
     after = {"tier": tier, "output_tokens_per_second": rate}
     if before != after:
@@ -271,7 +345,7 @@ def put_limit(
             conn,
             state,
             actor=actor,
-            action="put_limit",
+            action=action,
             target=user,
             before=before,
             after=after,
@@ -374,13 +448,61 @@ def put_tier(
 ) -> dict[str, Any]:
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
+    new_description = description if description is not None else (tier.description if tier else "")
+    return _set_tier(
+        conn,
+        state,
+        actor=actor,
+        action="put_tier",
+        name=name,
+        tier=tier,
+        rate=rate,
+        description=new_description,
+    )
+
+
+def patch_tier(
+    conn: Connection, *, actor: str, name: str, changes: dict[str, Any]
+) -> dict[str, Any]:
+    """JSON merge patch of an existing tier: only the keys in `changes`
+    ("output_tokens_per_second", "description") change. A description of null is empty.
+    An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
+    state = repo.lock_config(conn)
+    tier = repo.get_tier(conn, name)
+    if tier is None:
+        raise NotFound(f"tier {name!r} does not exist", field="name")
+    rate = changes.get("output_tokens_per_second", tier.rate)
+    description = changes.get("description", tier.description)
+    return _set_tier(
+        conn,
+        state,
+        actor=actor,
+        action="patch_tier",
+        name=name,
+        tier=tier,
+        rate=rate,
+        description=description if description is not None else "",
+    )
+
+
+def _set_tier(
+    conn: Connection,
+    state: State,
+    *,
+    actor: str,
+    action: str,
+    name: str,
+    tier: repo.TierRow | None,
+    rate: int | None,
+    description: str,
+) -> dict[str, Any]:
+    """Write the tier's new rate and description (if they differ) as one version."""
     before = (
         None
         if tier is None
         else {"output_tokens_per_second": tier.rate, "description": tier.description}
     )
-    new_description = description if description is not None else (tier.description if tier else "")
-    after = {"output_tokens_per_second": rate, "description": new_description}
+    after = {"output_tokens_per_second": rate, "description": description}
     if before == after:
         assert tier is not None
         return tier_view(tier)
@@ -388,18 +510,18 @@ def put_tier(
         conn,
         state,
         actor=actor,
-        action="put_tier",
+        action=action,
         target=name,
         before=before,
         after=after,
         ops=[p.SetTier(name=name, rate=rate)],
     )
     if tier is None:
-        repo.insert_tier(conn, name=name, rate=rate, description=new_description, version=version)
-        tier = repo.TierRow(name, rate, new_description, version, 0)
+        repo.insert_tier(conn, name=name, rate=rate, description=description, version=version)
+        tier = repo.TierRow(name, rate, description, version, 0)
     else:
-        repo.update_tier(conn, name=name, rate=rate, description=new_description, version=version)
-        tier = tier._replace(rate=rate, description=new_description, version=version)
+        repo.update_tier(conn, name=name, rate=rate, description=description, version=version)
+        tier = tier._replace(rate=rate, description=description, version=version)
     return tier_view(tier)
 
 
@@ -446,14 +568,16 @@ def _json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")))
 
 
-def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> dict[str, Any]:
+def list_audit(
+    conn: Connection, *, limit: int, before_id: int | None = None, target: str | None = None
+) -> dict[str, Any]:
     """Newest first, at most `limit` entries and about MAX_AUDIT_PAGE_BYTES (at least one
-    entry). An entry whose before/after are over MAX_AUDIT_INLINE_BYTES (a large bulk
-    change) comes with `truncated: true` and null before/after: read them page by page
-    with `audit_changes`. `next_before_id` continues the listing (null: the end)."""
+    entry), optionally only those about `target`. An entry whose before/after are over
+    MAX_AUDIT_INLINE_BYTES (a large bulk change) comes with `truncated: true` and null
+    before/after: read them page by page with `audit_changes`. `next_before_id` continues the listing (null: the end)."""
     items: list[dict[str, Any]] = []
     size = 0
-    rows = repo.list_audit(conn, limit=limit, before_id=before_id)
+    rows = repo.list_audit(conn, limit=limit, before_id=before_id, target=target)
     for e in rows:
         entry_size = _json_size(e.before) + _json_size(e.after)
         truncated = entry_size > MAX_AUDIT_INLINE_BYTES
@@ -614,3 +738,102 @@ def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
 def disconnect_engines(conn: Connection, *, engine_ids: Sequence[str] | None) -> None:
     """Mark these engines (None: every engine) disconnected."""
     repo.set_engines_disconnected(conn, engine_ids)
+
+
+# ---- usage history -----------------------------------------------------------
+
+MINUTE_S = 60
+MAX_HISTORY_POINTS = 1440
+
+
+def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, int]]) -> None:
+    """Add (user, minute start) -> (tokens granted, request-steps throttled) to the
+    per-minute rollups, each with the user's effective limit now."""
+    if not counts:
+        return
+    users = sorted({user for user, _ in counts})
+    limits = effective_rates(conn, users)
+    repo.add_usage(
+        conn,
+        [
+            repo.UsageRow(user, minute, tokens, throttled, limits[user])
+            for (user, minute), (tokens, throttled) in sorted(counts.items())
+        ],
+    )
+
+
+def prune_usage(conn: Connection, *, now: float, retention_days: int) -> int:
+    """Drop the rollups of minutes that ended more than `retention_days` before `now`."""
+    cutoff = int(now) - retention_days * 86_400 - MINUTE_S
+    return repo.delete_usage_before(conn, cutoff)
+
+
+def usage_history(
+    conn: Connection,
+    *,
+    now: float,
+    since: float,
+    step: int,
+    user: str | None,
+    top: int,
+    order: str,
+) -> dict[str, Any]:
+    """Reported usage in buckets of `step` seconds from `since` to `now`.
+
+    Per user and bucket: output tokens/s while reported (tokens over the reported
+    minutes; a bucket with no report is null, a gap), the throttled fraction of
+    request-steps, and the limit in force (null: unlimited). Without `user`, the `top`
+    users by throttled steps ("throttled") or tokens ("tokens")."""
+    if step % MINUTE_S:
+        raise InvalidInput("step: must be a whole number of minutes (60, 120, ...)", field="step")
+    start = int(since) // step * step
+    end = int(now) // MINUTE_S * MINUTE_S + MINUTE_S  # through the current minute
+    if start >= end:
+        raise InvalidInput("since: must be in the past", field="since")
+    num_points = -(-(end - start) // step)
+    if num_points > MAX_HISTORY_POINTS:
+        raise InvalidInput(
+            f"step: {num_points} points from since to now; at most {MAX_HISTORY_POINTS} "
+            "(choose a larger step or a later since)",
+            field="step",
+        )
+    users = (
+        [user]
+        if user is not None
+        else repo.top_usage_users(conn, since=start, until=end, order=order, limit=top)
+    )
+    rows = repo.usage_rows(conn, users=users, since=start, until=end) if users else []
+    times = [start + i * step for i in range(num_points)]
+    # user -> bucket -> [tokens, throttled, reported seconds, limit]
+    buckets: dict[str, dict[int, list[Any]]] = {u: {} for u in users}
+    for row in rows:
+        index = (row.minute - start) // step
+        bucket = buckets[row.user].setdefault(index, [0, 0, 0.0, None])
+        bucket[0] += row.tokens
+        bucket[1] += row.throttled
+        # The current minute is only partly over.
+        bucket[2] += min(MINUTE_S, max(1.0, now - row.minute))
+        bucket[3] = row.limit_rate
+    items = []
+    for name in users:
+        rates: list[float | None] = [None] * num_points
+        throttled: list[float | None] = [None] * num_points
+        limits: list[int | None] = [None] * num_points
+        total_tokens = total_throttled = 0
+        for index, (tokens, steps, seconds, limit) in buckets[name].items():
+            rates[index] = round(tokens / seconds, 3)
+            throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
+            limits[index] = limit
+            total_tokens += tokens
+            total_throttled += steps
+        items.append(
+            {
+                "user": name,
+                "output_tokens_per_second": rates,
+                "throttled_fraction": throttled,
+                "limit": limits,
+                "tokens": total_tokens,
+                "throttled": total_throttled,
+            }
+        )
+    return {"since": start, "until": end, "step": step, "times": times, "items": items}

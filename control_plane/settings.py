@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     engine_timeout_s: float = 5.0
     # Seconds after its last heartbeat an engine is dropped from GET /engines.
     engine_retention_s: float = 24 * 3600.0
+    # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
+    usage_retention_days: int = Field(default=7, ge=1, le=3650)
 
     @field_validator("admin_token")
     @classmethod

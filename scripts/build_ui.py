@@ -12,23 +12,29 @@ Standard library only: setup.py runs it inside the build backend.
 from __future__ import annotations
 
 import argparse
+import posixpath
 import re
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
 OUT = ROOT / "control_plane" / "ui"
 
-# Our own files, copied as they are.
-FIRST_PARTY = ("index.html", "app.js", "style.css")
+# Our own files, copied as they are; plus every ES module under web/src/ (the views;
+# pyproject.toml's package-data lists ui/src/* and ui/src/views/*).
+FIRST_PARTY = ("index.html", "app.js", "style.css", "favicon.svg")
+MODULES_DIR = "src"
 # node_modules path -> served path (index.html refers to the served path).
 THIRD_PARTY = {
     "uplot/dist/uPlot.min.css": "vendor/uPlot.min.css",
     "uplot/dist/uPlot.iife.min.js": "vendor/uPlot.iife.min.js",
     "uplot/LICENSE": "vendor/uPlot.LICENSE",  # MIT: the notice travels with the copy
 }
+_IMPORT = re.compile(
+    r"""(?:^|[\s;])(?:import|export)\b[^"';]*?from\s*["'](\.{1,2}/[^"']+)["']""", re.M
+)
 _LOCAL_REF = re.compile(r"""(?:src|href)=["'](?![a-z]+:|//|#)([^"']+)["']""")
 
 
@@ -41,10 +47,34 @@ def local_refs(html: str) -> list[str]:
     return _LOCAL_REF.findall(html)
 
 
+def module_imports(source: str) -> list[str]:
+    """The relative modules an ES module imports (`import ... from "./x.js"`)."""
+    return _IMPORT.findall(source)
+
+
+def _unshipped_imports(sources: dict[str, Path]) -> list[str]:
+    bad = []
+    for served, path in sources.items():
+        if not served.endswith(".js") or served.startswith("vendor/"):
+            continue
+        base = PurePosixPath(served).parent
+        for ref in module_imports(path.read_text()):
+            target = posixpath.normpath((base / ref).as_posix())
+            if target not in sources:
+                bad.append(f"{served} imports {ref}")
+    return bad
+
+
+def first_party_files(web: Path = WEB) -> list[str]:
+    """Our served files: FIRST_PARTY and the ES modules under web/src/ (served paths)."""
+    modules = sorted(p.relative_to(web).as_posix() for p in (web / MODULES_DIR).rglob("*.js"))
+    return [*FIRST_PARTY, *modules]
+
+
 def build(web: Path = WEB, out: Path = OUT) -> list[Path]:
     """Replace `out` with the UI's files; return them. Fails before touching `out`."""
     node_modules = web / "node_modules"
-    sources = {name: web / name for name in FIRST_PARTY}
+    sources = {name: web / name for name in first_party_files(web)}
     sources.update({served: node_modules / src for src, served in THIRD_PARTY.items()})
     missing = [str(path) for path in sources.values() if not path.is_file()]
     if missing:
@@ -53,6 +83,9 @@ def build(web: Path = WEB, out: Path = OUT) -> list[Path]:
     unknown = [ref for ref in local_refs(sources["index.html"].read_text()) if ref not in sources]
     if unknown:
         raise BuildError(f"web/index.html refers to files the build does not ship: {unknown}")
+    broken = _unshipped_imports(sources)
+    if broken:
+        raise BuildError(f"modules import files the build does not ship: {broken}")
 
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)

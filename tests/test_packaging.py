@@ -14,6 +14,7 @@ import email.parser
 import fcntl
 import hashlib
 import os
+import posixpath
 import shutil
 import sqlite3
 import subprocess
@@ -50,7 +51,7 @@ BUILD_INPUTS = (
 NOT_INPUTS = ("control_plane/ui", "control_plane/ui.tmp", "web/node_modules")
 NODE_MODULES = ROOT / "web" / "node_modules"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-UI_FILES = {*build_ui.FIRST_PARTY, *build_ui.THIRD_PARTY.values()}
+UI_FILES = {*build_ui.first_party_files(), *build_ui.THIRD_PARTY.values()}
 MIGRATIONS = sorted(p.name for p in (ROOT / "control_plane/migrations/versions").glob("*.py"))
 ADMIN_TOKEN = "packaging-admin-token"
 STALE_AFTER_S = 86_400
@@ -307,10 +308,21 @@ def test_installed_serve_runs_the_api_and_the_ui(served: tuple[str, Path]) -> No
         parser = _Refs()
         parser.feed(page.text)
         assert parser.refs, "index.html refers to no assets"
-        for ref in parser.refs:
+        # Every page asset, and every ES module the scripts import (the views), is served.
+        pending = list(parser.refs)
+        seen: set[str] = set()
+        while pending:
+            ref = posixpath.normpath(pending.pop())
+            if ref in seen:
+                continue
+            seen.add(ref)
             asset = client.get(f"/ui/{ref}")
             assert asset.status_code == 200, ref
             assert asset.content
+            if ref.endswith(".js") and not ref.startswith("vendor/"):
+                base = posixpath.dirname(ref)
+                pending += [posixpath.join(base, m) for m in build_ui.module_imports(asset.text)]
+        assert any(ref.startswith("src/views/") for ref in seen), seen
 
         hidden = [
             "/ui/package.json",

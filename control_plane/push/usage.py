@@ -51,6 +51,8 @@ class UsageBook:
         # user -> number of stored reports naming it
         self._users: dict[str, int] = {}
         self.num_users_left_out = 0
+        # Also called with every report (control_plane/history.py keeps the history).
+        self.on_report: list[Callable[[p.Usage], None]] = []
 
     def add(self, report: p.Usage, *, engine_id: str | None = None) -> None:
         """Store a report under `engine_id` (the connection's bound id; default: the
@@ -64,6 +66,8 @@ class UsageBook:
             self._count(report, +1)
             while len(reports) > MAX_REPORTS_PER_ENGINE:
                 self._count(reports.popleft()[1], -1)
+        for hook in self.on_report:
+            hook(report)
 
     def _admit(self, report: p.Usage) -> p.Usage:
         """The report without the new users that would take the book over its bound."""

@@ -18,6 +18,7 @@ def _web_copy(tmp_path: Path, *, node_modules: bool = True) -> Path:
     web.mkdir()
     for name in build_ui.FIRST_PARTY:
         shutil.copyfile(WEB / name, web / name)
+    shutil.copytree(WEB / build_ui.MODULES_DIR, web / build_ui.MODULES_DIR)
     if node_modules:
         (web / "node_modules").symlink_to((WEB / "node_modules").resolve())
     return web
@@ -31,7 +32,9 @@ def test_builds_the_pages_files_and_nothing_else(tmp_path: Path) -> None:
 
     served = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert served == {p.relative_to(out).as_posix() for p in files}
-    assert served == {*build_ui.FIRST_PARTY, *build_ui.THIRD_PARTY.values()}
+    modules = {p.relative_to(WEB).as_posix() for p in (WEB / "src").rglob("*.js")}
+    assert any(m.startswith("src/views/") for m in modules)
+    assert served == {*build_ui.FIRST_PARTY, *modules, *build_ui.THIRD_PARTY.values()}
     refs = build_ui.local_refs((out / "index.html").read_text())
     assert refs and all((out / ref).is_file() for ref in refs)
     for src, dest in build_ui.THIRD_PARTY.items():
@@ -67,3 +70,17 @@ def test_local_refs_skip_urls_and_anchors() -> None:
         '<a href="https://example.com/x.js"></a><a href="#top"></a><img src="//cdn/x.png">'
     )
     assert build_ui.local_refs(html) == ["style.css", "vendor/a.js"]
+
+
+def test_a_module_importing_an_unshipped_file_fails(tmp_path: Path) -> None:
+    web = _web_copy(tmp_path)
+    (web / "src" / "views" / "extra.js").write_text('import { x } from "../missing.js";\n')
+    with pytest.raises(build_ui.BuildError, match=r"missing\.js"):
+        build_ui.build(web, tmp_path / "ui")
+
+
+def test_module_imports() -> None:
+    source = (
+        'import { a } from "./a.js";\nimport * as b from "../b.js";\nexport { c } from "./c.js";\n'
+    )
+    assert build_ui.module_imports(source) == ["./a.js", "../b.js", "./c.js"]

@@ -1,0 +1,204 @@
+"""Usage history: rollups from reported usage, pruning with a fake clock, the endpoint
+(SQLite and PostgreSQL), and rows kept across a restart of a real `output-rate serve`."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import zmq
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from control_plane.history import UsageRecorder
+from control_plane.settings import Settings
+from engine_ext import protocol as p
+from tests.control_plane.factories import fresh_database
+from tests.control_plane.served import serve
+
+T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recorder(client: TestClient, clock: FakeClock, retention_days: int = 7) -> UsageRecorder:
+    return UsageRecorder(client.app.state.db, retention_days=retention_days, clock=clock)  # type: ignore[attr-defined]
+
+
+def usage(granted: dict[str, int], throttled: dict[str, int] | None = None) -> p.Usage:
+    return p.Usage("e1", 1.0, granted, throttled or {})
+
+
+def rows(client: TestClient) -> list[tuple[str, int, int, int, int | None]]:
+    from sqlalchemy import text
+
+    db = client.app.state.db  # type: ignore[attr-defined]
+    with db.engine.connect() as conn:
+        result = conn.execute(
+            text(
+                "SELECT user, minute, tokens, throttled, limit_rate FROM usage_minutes "
+                "ORDER BY user, minute"
+            )
+            if conn.dialect.name == "sqlite"
+            else text(
+                'SELECT "user", minute, tokens, throttled, limit_rate FROM usage_minutes '
+                'ORDER BY "user", minute'
+            )
+        )
+        return [tuple(r) for r in result]  # type: ignore[misc]
+
+
+def test_reports_are_summed_per_user_and_minute_with_the_limit(client: TestClient) -> None:
+    client.put("/limits/alice", json={"output_tokens_per_second": 50})
+    clock = FakeClock(T0 + 5)
+    rec = recorder(client, clock)
+    rec.add(usage({"alice": 40, "bob": 10}, {"alice": 3}))
+    rec.add(p.Usage("e2", 1.0, {"alice": 20}, {}))  # a second engine
+    rec.flush()
+    clock.now = T0 + 30
+    rec.add(usage({"alice": 5}))
+    rec.flush()
+    clock.now = T0 + 61
+    rec.add(usage({"alice": 1}))
+    rec.flush()
+    assert rows(client) == [
+        ("alice", int(T0), 65, 3, 50),
+        ("alice", int(T0) + 60, 1, 0, 50),
+        ("bob", int(T0), 10, 0, None),
+    ]
+
+
+def test_rows_older_than_the_retention_are_pruned(client: TestClient) -> None:
+    clock = FakeClock(T0)
+    rec = recorder(client, clock, retention_days=7)
+    rec.add(usage({"old": 1}))
+    rec.flush()
+    clock.now = T0 + 6 * 86_400
+    rec.add(usage({"recent": 1}))
+    rec.flush()
+    assert [r[0] for r in rows(client)] == ["old", "recent"]
+    clock.now = T0 + 7 * 86_400 + 3600
+    rec.flush()
+    assert [r[0] for r in rows(client)] == ["recent"]
+    clock.now = T0 + 14 * 86_400
+    rec.flush()
+    assert rows(client) == []
+
+
+def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
+    client.put("/limits/alice", json={"output_tokens_per_second": 50})
+    now = time.time()
+    minute = int(now) // 60 * 60
+    clock = FakeClock(minute - 600 + 1)  # 10 minutes ago
+    rec = recorder(client, clock)
+    rec.add(usage({"alice": 600, "bob": 60}, {"alice": 200}))
+    rec.flush()
+    clock.now = minute - 300 + 1  # 5 minutes ago, after a limit change
+    client.put("/limits/alice", json={"output_tokens_per_second": 20})
+    rec.add(usage({"alice": 1200}))
+    rec.flush()
+    since = datetime.fromtimestamp(minute - 900, UTC).isoformat()
+    body = client.get("/usage/history", params={"since": since, "step": 60}).json()
+    assert body["step"] == 60
+    assert body["retention_days"] == 7
+    assert body["times"][0] == minute - 900
+    assert len(body["times"]) == 16
+    # Most throttled first.
+    assert [i["user"] for i in body["items"]] == ["alice", "bob"]
+    alice = body["items"][0]
+    rates = alice["output_tokens_per_second"]
+    assert rates[5] == 10.0  # 600 tokens in the minute
+    assert rates[10] == 20.0
+    # Minutes with no report are gaps, not zeros.
+    assert rates[4] is None and rates[6] is None and rates[15] is None
+    assert alice["limit"][5] == 50 and alice["limit"][10] == 20
+    assert alice["throttled_fraction"][5] == 0.25
+    assert (alice["tokens"], alice["throttled"]) == (1800, 200)
+    one = client.get("/usage/history", params={"since": since, "user": "bob"}).json()
+    assert [i["user"] for i in one["items"]] == ["bob"]
+    busiest = client.get(
+        "/usage/history", params={"since": since, "order": "tokens", "top": 1}
+    ).json()
+    assert [i["user"] for i in busiest["items"]] == ["alice"]
+    # Buckets of 5 minutes: the rate is over the minutes reported.
+    five = client.get("/usage/history", params={"since": since, "step": 300}).json()
+    assert five["items"][0]["output_tokens_per_second"][1] == 10.0
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"step": 90}, "step"),
+        ({"step": 0}, "step"),
+        ({"step": 60, "since": "2000-01-01T00:00:00Z"}, "step"),
+        ({"since": "2999-01-01T00:00:00Z"}, "since"),
+        ({"since": "yesterday"}, "since"),
+        ({"top": 0}, "top"),
+        ({"order": "random"}, "order"),
+        ({"user": ""}, "user"),
+    ],
+)
+def test_bad_history_queries_name_the_field(
+    client: TestClient, params: dict[str, object], field: str
+) -> None:
+    response = client.get("/usage/history", params=params)
+    assert response.status_code == 422, response.text
+    assert response.json()["field"] == field
+
+
+def test_retention_setting_is_validated() -> None:
+    assert Settings(usage_retention_days=30).usage_retention_days == 30
+    with pytest.raises(ValidationError, match="usage_retention_days"):
+        Settings(usage_retention_days=0)
+    with pytest.raises(ValidationError, match="usage_retention_days"):
+        Settings(usage_retention_days="week")  # type: ignore[arg-type]
+
+
+def test_history_from_a_real_peer_survives_a_restart(tmp_path: Path) -> None:
+    with fresh_database("sqlite", tmp_path) as url:
+        with serve(url, tmp_path) as served:
+            endpoint = _zmq_endpoint(served.log)
+            context = zmq.Context()
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            try:
+                sock.send(p.encode(p.Hello("hist-engine", "tiny", 0)))
+                assert sock.poll(10_000)
+                sock.recv()
+                for _ in range(3):
+                    sock.send(p.encode(p.Usage("hist-engine", 1.0, {"carol": 30}, {"carol": 2})))
+                    time.sleep(0.2)
+                # Received (/usage shows it); stopping the server writes the history at once.
+                with served.client() as http:
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        if http.get("/usage").json()["items"]:
+                            break
+                        time.sleep(0.1)
+            finally:
+                sock.close()
+                context.term()
+        with serve(url, tmp_path) as served, served.client() as http:
+            body = http.get("/usage/history", params={"user": "carol"}).json()
+            series = body["items"][0]
+            assert (series["tokens"], series["throttled"]) == (90, 6)
+            assert any(r is not None for r in series["output_tokens_per_second"])
+
+
+def _zmq_endpoint(log: Path) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if "push:" in line and "tcp://" in line:
+                return line.split("push:", 1)[1].strip().split(",")[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no push endpoint in {log}")

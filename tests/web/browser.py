@@ -1,0 +1,57 @@
+"""Headless Chromium (Debian's) driven by Playwright, with the checks every UI test makes:
+no console errors, and no request to anything but 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from playwright.sync_api import Browser, Page
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
+
+@dataclass
+class Watched:
+    page: Page
+    console_errors: list[str] = field(default_factory=list)
+    foreign_requests: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def watched_page(browser: Browser, viewport: dict[str, int] = DESKTOP) -> Iterator[Watched]:
+    context = browser.new_context(viewport=viewport)  # type: ignore[arg-type]
+    page = context.new_page()
+    watched = Watched(page)
+
+    def on_request(request: object) -> None:
+        url = request.url  # type: ignore[attr-defined]
+        parts = urlsplit(url)
+        if parts.scheme not in ("data", "blob") and parts.hostname != "127.0.0.1":
+            watched.foreign_requests.append(url)
+
+    page.on(
+        "console", lambda m: watched.console_errors.append(m.text) if m.type == "error" else None
+    )
+    page.on("pageerror", lambda e: watched.console_errors.append(f"page error: {e}"))
+    page.on("request", on_request)
+    try:
+        yield watched
+    finally:
+        context.close()
+    assert watched.console_errors == [], watched.console_errors
+    assert watched.foreign_requests == [], watched.foreign_requests

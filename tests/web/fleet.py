@@ -1,0 +1,113 @@
+"""Realistic data for the UI tests: tiers, thousands of users, usage history and a live
+protocol peer reporting usage (a ZMQ DEALER speaking engine_ext.protocol)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import zmq
+
+from control_plane.db import Database, make_engine
+from control_plane.history import UsageRecorder
+from engine_ext import protocol as p
+from harness.servers import ControlPlane
+
+TIERS = {
+    "free": (10, "Free plan"),
+    "basic": (50, "Basic"),
+    "pro": (100, "Paid plan"),
+    "max": (1000, ""),
+}
+
+
+def seed(served: ControlPlane, *, num_users: int = 5000, pro_users: int = 1114) -> None:
+    headers = ControlPlane.auth_headers()
+    for name, (rate, description) in TIERS.items():
+        r = httpx.put(
+            f"{served.url}/tiers/{name}",
+            json={"output_tokens_per_second": rate, "description": description},
+            headers=headers,
+        )
+        r.raise_for_status()
+    httpx.put(
+        f"{served.url}/default-limit", json={"output_tokens_per_second": 5}, headers=headers
+    ).raise_for_status()
+    names = list(TIERS)
+    items = []
+    for i in range(num_users):
+        tier = "pro" if i < pro_users else names[i % 4] if names[i % 4] != "pro" else "basic"
+        item: dict[str, object] = {"user": f"user-{i:05d}", "tier": tier}
+        if i % 97 == 0:
+            item["output_tokens_per_second"] = 20 + i % 50
+        items.append(item)
+    r = httpx.post(f"{served.url}/limits:bulk", json={"items": items}, headers=headers, timeout=60)
+    r.raise_for_status()
+
+
+def write_history(
+    db_url: str, *, users: list[str], minutes: int = 60, gap: range = range(0)
+) -> None:
+    """Reports for the past `minutes` minutes through the real recorder with a fake clock;
+    no reports in the minutes-ago in `gap` (an engine that was disconnected)."""
+    db = Database(make_engine(db_url))
+    now = time.time()
+    clock_now = [now]
+    recorder = UsageRecorder(db, retention_days=7, clock=lambda: clock_now[0])
+    rng = random.Random(7)
+    try:
+        for ago in range(minutes, 0, -1):
+            if ago in gap:
+                continue
+            clock_now[0] = now - ago * 60
+            for index, user in enumerate(users):
+                granted = int((10 + 5 * index) * 60 * rng.uniform(0.6, 1.0))
+                throttled = int(granted * (0.5 if index < 3 else 0.05))
+                recorder.add(p.Usage("hist", 60.0, {user: granted}, {user: throttled}))
+            recorder.flush()
+    finally:
+        db.dispose()
+
+
+@contextmanager
+def live_engine(served: ControlPlane, engine_id: str, users: dict[str, int]) -> Iterator[None]:
+    """A connected engine that reports usage for `users` (tokens/s) every 0.5 s."""
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def run() -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(served.zmq_endpoint)
+        try:
+            sock.send(p.encode(p.Hello(engine_id, "tiny", 0)))
+            version = 0
+            while not stop.is_set():
+                while sock.poll(0):
+                    message = p.decode(sock.recv())
+                    if isinstance(message, p.Snapshot | p.Delta):
+                        version = message.version
+                        sock.send(p.encode(p.Ack(engine_id, version)))
+                        ready.set()
+                sock.send(p.encode(p.Heartbeat(version, engine_id, "tiny")))
+                granted = {u: max(1, r // 2) for u, r in users.items()}
+                throttled = {u: 3 for u in list(users)[:3]}
+                sock.send(p.encode(p.Usage(engine_id, 0.5, granted, throttled)))
+                stop.wait(0.5)
+        finally:
+            sock.close()
+            context.term()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(15)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)

@@ -1,0 +1,80 @@
+// Success messages, errors next to the field, and confirmations that state the effect.
+
+import { h } from "./dom.js";
+
+let toastTimer = null;
+
+export function toast(message, kind = "ok") {
+  const el = document.getElementById("toast");
+  el.replaceChildren(h("p", { class: `toast ${kind}` }, message));
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => el.replaceChildren(), 6000);
+}
+
+// Put `message` under the control for `field` in `form` (or at the form's top).
+export function fieldError(form, field, message) {
+  const control = (field && form.querySelector(`[data-field="${field}"]`)) || null;
+  const anchor = control ? control.closest(".field") || control : form;
+  const id = `${form.id || "form"}-${field || "form"}-error`;
+  const note = h("p", { class: "field-error", id, role: "alert" }, message);
+  if (control) {
+    anchor.append(note);
+    const input = control.matches("input,select,textarea") ? control
+      : control.querySelector("input[type=text], input:not([type]), select, textarea") || control.querySelector("input");
+    if (input) {
+      input.setAttribute("aria-invalid", "true");
+      input.setAttribute("aria-describedby", id);
+      input.focus();
+    }
+  } else {
+    form.prepend(note);
+  }
+}
+
+export function clearErrors(form) {
+  form.querySelectorAll(".field-error").forEach((el) => el.remove());
+  form.querySelectorAll("[aria-invalid]").forEach((el) => {
+    el.removeAttribute("aria-invalid");
+    el.removeAttribute("aria-describedby");
+  });
+}
+
+// Submit handler: validation or API errors land next to their field; success is toasted.
+export function handleSubmit(form, action) {
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    clearErrors(form);
+    const button = form.querySelector("button[type=submit]");
+    if (button) button.disabled = true;
+    try {
+      const message = await action();
+      if (message) toast(message);
+    } catch (error) {
+      fieldError(form, error.field || null, error.message);
+    } finally {
+      if (button) button.disabled = false;
+    }
+  });
+}
+
+export class FieldError extends Error {
+  constructor(field, message) {
+    super(message);
+    this.field = field;
+  }
+}
+
+// A modal that states what will happen; resolves true only on the confirm button.
+export function confirmEffect(title, lines, confirmLabel) {
+  const dialog = document.getElementById("confirm");
+  document.getElementById("confirm-title").textContent = title;
+  document.getElementById("confirm-lines").replaceChildren(...lines.map((l) => h("li", {}, l)));
+  const ok = document.getElementById("confirm-ok");
+  ok.textContent = confirmLabel;
+  dialog.returnValue = "";
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true });
+    dialog.showModal();
+    document.getElementById("confirm-cancel").focus();
+  });
+}
