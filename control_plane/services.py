@@ -574,7 +574,8 @@ def list_audit(
     """Newest first, at most `limit` entries and about MAX_AUDIT_PAGE_BYTES (at least one
     entry), optionally only those about `target`. An entry whose before/after are over
     MAX_AUDIT_INLINE_BYTES (a large bulk change) comes with `truncated: true` and null
-    before/after: read them page by page with `audit_changes`. `next_before_id` continues the listing (null: the end)."""
+    before/after: read them page by page with `audit_changes`. `next_before_id` continues
+    the listing (null: the end)."""
     items: list[dict[str, Any]] = []
     size = 0
     rows = repo.list_audit(conn, limit=limit, before_id=before_id, target=target)
