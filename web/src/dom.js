@@ -8,6 +8,8 @@ export function h(tag, attrs = {}, ...children) {
     else if (key === "text") el.textContent = value;
     else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else if (key === "dataset") Object.assign(el.dataset, value);
+    // Through the CSSOM: the CSP (style-src 'self') refuses style attributes.
+    else if (key === "style") el.style.cssText = value;
     else el.setAttribute(key, value === true ? "" : String(value));
   }
   for (const child of children.flat()) {
