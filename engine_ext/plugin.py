@@ -39,6 +39,7 @@ def register() -> None:
     _patch_engine_args()
     if limiting_on() and API_SERVER_MODULE in sys.modules:
         _reject_beam_search()  # an extra API server process
+        _install_metrics()
     from engine_ext.engine_core import patch_engine_core
     from engine_ext.worker_spin import patch_worker_proc
 
@@ -78,6 +79,7 @@ def _patch_engine_args() -> None:
             }
             os.environ[LIMITING_ENV] = "1"
             _reject_beam_search()
+            _install_metrics()
         return engine_args
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,6 +108,16 @@ def _patch_engine_args() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     setattr(EngineArgs, _PATCHED_ATTR, True)
+
+
+def _install_metrics() -> None:
+    """API server process of a limited server: engine figures on its /metrics."""
+    from engine_ext.stat_logger import add_stats_field, install_stat_logger
+
+    if add_stats_field():
+        install_stat_logger()
+    else:
+        logger.warning("output-rate: SchedulerStats cannot carry engine metrics; not exported")
 
 
 BEAM_SEARCH_MESSAGE = (

@@ -35,6 +35,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_ext.config import OutputRateConfig
 from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
+from engine_ext.metrics import PAYLOAD_FIELD, scheduler_snapshot, tier_lookup
+from engine_ext.stat_logger import engine_metrics_for
 from engine_ext.waiting import UserIndexedQueue
 
 if TYPE_CHECKING:
@@ -142,6 +144,7 @@ class OutputRateMixin:
     max_num_scheduled_tokens: int
     num_waiting_for_streaming_input: int
     requires_kv_delivery: bool
+    log_stats: bool
     policy: Any
 
     def _init_output_rate(self, vllm_config: Any) -> None:
@@ -180,6 +183,8 @@ class OutputRateMixin:
         self.push_client: Any = None
         if self.output_rate_config.control_plane_endpoint:
             self._start_push_client(vllm_config)
+        # metrics: engine figures on vLLM's /metrics (engine_ext/metrics.py); None if log stats off.
+        self.output_rate_metrics = engine_metrics_for(self.output_rate_config, self.log_stats)
 
     def use_fake_clock(self, clock_ns: Callable[[], int]) -> None:
         """Test seam: drive the limiter and the wake-up time from a fake clock."""
@@ -511,8 +516,12 @@ class OutputRateMixin:
             refund(users[request.request_id])
         if self._reclaimed:
             self._protect_readmitted(gate, scheduled, step)
-        if self.push_client is not None:
-            self._count_granted(charged, unsampled)
+        metrics = self.output_rate_metrics
+        num_sampled = None
+        if self.push_client is not None or metrics is not None:
+            num_sampled = self._count_granted(charged, unsampled)
+        if metrics is not None:  # metrics: token times of throttled users, O(throttled users)
+            metrics.on_step(num_sampled, len(plan.throttled))
         if step % CLEANUP_INTERVAL_STEPS == 0:
             self._cleanup()
         self._maybe_report_usage()
@@ -524,7 +533,7 @@ class OutputRateMixin:
                 self._reclaimed.discard(req_id)
                 self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
 
-    def _count_granted(self, charged: list[Request], unsampled: list[Request]) -> None:
+    def _count_granted(self, charged: list[Request], unsampled: list[Request]) -> Counter[str]:
         users = self.output_rate_users
         num_granted = self.num_granted
         num_sampled = Counter([users[r.request_id] for r in charged])
@@ -532,6 +541,7 @@ class OutputRateMixin:
         for user, num in num_sampled.items():
             if num > 0:
                 num_granted[user] = num_granted.get(user, 0) + num
+        return num_sampled
 
     def _cleanup(self) -> None:
         self.output_rate_limiter.cleanup_idle_users()
@@ -594,15 +604,27 @@ class OutputRateMixin:
             self.push_client.apply_pending(self.output_rate_limiter)
 
     def _maybe_report_usage(self) -> None:
-        if self.push_client is None:
+        metrics = self.output_rate_metrics
+        if self.push_client is None and metrics is None:
             return
         now = self.output_rate_clock_ns()
         if now < self._next_usage_report_ns:
             return
         self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
-        self.push_client.report_usage(granted=self.num_granted, throttled=self.num_throttled)
+        if metrics is not None:  # metrics: the same counts, before the push client owns them
+            metrics.add_usage(self.num_granted, self.num_throttled, tier_lookup(self))
+        if self.push_client is not None:
+            self.push_client.report_usage(granted=self.num_granted, throttled=self.num_throttled)
         self.num_granted = {}
         self.num_throttled = {}
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        # metrics: a snapshot rides on vLLM's SchedulerStats about once a second.
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        metrics = self.output_rate_metrics
+        if stats is not None and metrics is not None and metrics.snapshot_due():
+            setattr(stats, PAYLOAD_FIELD, scheduler_snapshot(metrics, self))
+        return stats
 
     def shutdown(self) -> None:
         if self.push_client is not None:
