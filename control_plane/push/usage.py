@@ -38,10 +38,13 @@ class UsageBook:
         self._lock = threading.Lock()
         # engine id -> (time received, report), oldest first
         self._reports: dict[str, deque[tuple[float, p.Usage]]] = {}
+        # engine id -> when its last report arrived (kept past the window; /metrics)
+        self._last_report_at: dict[str, float] = {}
 
     def add(self, report: p.Usage) -> None:
         now = self._clock()
         with self._lock:
+            self._last_report_at[report.engine_id] = now
             reports = self._reports.setdefault(report.engine_id, deque())
             reports.append((now, report))
             self._expire(now)
@@ -52,6 +55,12 @@ class UsageBook:
                 reports.popleft()
             if not reports:
                 del self._reports[engine_id]
+
+    def report_ages(self) -> dict[str, float]:
+        """Seconds since each engine's last usage report."""
+        now = self._clock()
+        with self._lock:
+            return {engine: now - at for engine, at in self._last_report_at.items()}
 
     def totals(self) -> list[UserUsage]:
         now = self._clock()
