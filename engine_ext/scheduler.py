@@ -620,9 +620,15 @@ class OutputRateMixin:
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         # metrics: a snapshot rides on vLLM's SchedulerStats about once a second.
+        # The engine goes idle once the last request finished: send what it counted now.
         stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
         metrics = self.output_rate_metrics
-        if stats is not None and metrics is not None and metrics.snapshot_due():
+        if stats is None or metrics is None:
+            return stats
+        if not self.requests:
+            self._next_usage_report_ns = 0
+            self._maybe_report_usage()
+        if metrics.snapshot_due() or not self.requests:
             setattr(stats, PAYLOAD_FIELD, scheduler_snapshot(metrics, self))
         return stats
 
