@@ -237,6 +237,9 @@ def scheduler_snapshot(metrics: EngineMetrics, scheduler: Any) -> dict[str, Any]
     limiter = scheduler.output_rate_limiter
     push = scheduler.push_client
     stats = scheduler.reclaim_stats
+    if limiter.is_unlimited:
+        # schedule() takes upstream's path and throttles nobody (on_step is not called).
+        metrics.num_throttled_resident = 0
     return metrics.snapshot(
         rate_of=limiter.rate_of,
         default_rate=limiter.default_rate,

@@ -121,3 +121,8 @@ def test_scheduler_counts_match_tokens_and_only_the_limited_user_is_throttled(
     # Watched from the first usage report on (after 1 s): ~2 s at 20 tok/s.
     assert sum(counts) > 30
     assert 0.045 < total / sum(counts) < 0.055
+    # Limits lifted: schedule() takes upstream's path; nobody is throttled any more.
+    sched.output_rate_limiter.replace_all(None, {})
+    drive(sched, num_steps=3, clock=clock)
+    clock.advance_ms(1000)
+    assert getattr(sched.make_stats(), PAYLOAD_FIELD)["throttled_resident"] == 0
