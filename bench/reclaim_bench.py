@@ -5,10 +5,9 @@ and a fake clock (10 ms per step), as in tests/engine_ext.
 
 1. Churn vs the re-admission cooldown: a hog (20 tok/s) keeps 3 x 8 streams
    on an engine with 8 worker slots; an unlimited user sends a 20-token
-   request every 25 steps. For each cooldown: reclaims, tokens dropped by
-   reclaimed requests (recomputed on re-admission; upper bound, the prefix
-   cache is off here) as a share of all tokens computed, and the victims'
-   wait from arrival to first scheduling (steps).
+   request every 25 or every 10 steps. For each cooldown, with the prefix
+   cache off and on: reclaims, tokens the hog had to recompute, and the
+   victims' wait from arrival to first scheduling (steps).
 2. Step cost with a throttled user's queue 10 vs 2,000 deep (one victim
    arriving now and then), side by side in rounds.
 
@@ -28,11 +27,12 @@ NUM_SLOTS = 8
 COOLDOWNS = (0, 8, 32, 128)
 
 
-def hog_scheduler(clock: FakeClock, cooldown: int | None = None):
+def hog_scheduler(clock: FakeClock, cooldown: int | None = None, *, prefix_cache: bool = False):
     sched = make_scheduler(
         user_rates={"hog": 20},
         max_num_seqs=NUM_SLOTS,
         max_num_active_seqs=NUM_SLOTS // 2,
+        enable_prefix_caching=prefix_cache,
         clock=clock,
     )
     if cooldown is not None:
@@ -47,30 +47,46 @@ def step(sched, clock: FakeClock) -> object:
     return out
 
 
-def churn(cooldown: int, num_steps: int) -> dict[str, float]:
+def churn(cooldown: int, num_steps: int, every: int, prefix_cache: bool) -> dict[str, float]:
+    """One run: a victim request every ``every`` steps beside the hog."""
     clock = FakeClock()
-    sched = hog_scheduler(clock, cooldown)
-    for _ in range(3 * NUM_SLOTS):
-        sched.add_request(make_request("hog", max_tokens=500, num_prompt_tokens=64))
+    sched = hog_scheduler(clock, cooldown, prefix_cache=prefix_cache)
+    hog = [
+        make_request(
+            "hog", max_tokens=500, prompt_token_ids=[3 + (i * 7 + j) % 200 for j in range(64)]
+        )
+        for i in range(3 * NUM_SLOTS)
+    ]
+    for r in hog:
+        sched.add_request(r)
     arrived: dict[str, int] = {}
     waits: list[int] = []
-    num_computed = 0
+    # request id -> tokens scheduled for it (prefill, recompute and decode).
+    num_scheduled: dict[str, int] = {}
     for i in range(num_steps):
-        if i % 25 == 0 and i > 200:
+        if i % every == 0 and i > 200:
             victim = make_request(f"victim-{i % 3}", max_tokens=20)
             sched.add_request(victim)
             arrived[victim.request_id] = i
         out = step(sched, clock)
-        num_computed += out.total_num_scheduled_tokens
+        for req_id, n in out.num_scheduled_tokens.items():
+            num_scheduled[req_id] = num_scheduled.get(req_id, 0) + n
         for req_id in list(arrived):
             if req_id in out.num_scheduled_tokens:
                 waits.append(i - arrived.pop(req_id))
+    # Recomputed: scheduled for a hog stream beyond its prompt and its outputs.
+    recomputed = sum(
+        num_scheduled.get(r.request_id, 0) - r.num_prompt_tokens - len(r.output_token_ids) + 1
+        for r in hog
+        if r.request_id in num_scheduled
+    )
+    generated = sum(len(r.output_token_ids) for r in hog)
     stats = sched.reclaim_stats
     waits.sort()
     return {
         "reclaims": stats.num_reclaims,
-        "dropped": stats.num_tokens_dropped,
-        "dropped_share": stats.num_tokens_dropped / max(1, num_computed),
+        "recomputed": max(recomputed, 0),
+        "hog_tokens": generated,
         "wait_p50": statistics.median(waits),
         "wait_max": waits[-1],
         "victims": len(waits),
@@ -106,19 +122,27 @@ def main() -> None:
         f"--rounds {args.rounds}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). "
         "Real scheduler and KV manager, hand-built outputs, fake clock at 10 ms a step.",
         "",
-        f"## Churn vs cooldown ({args.steps} steps, hog 20 tok/s with {3 * NUM_SLOTS} streams "
-        f"on {NUM_SLOTS} slots, a 20-token victim request every 25 steps)",
+        f"## Churn vs cooldown ({args.steps} steps of 10 ms, hog 20 tok/s with "
+        f"{3 * NUM_SLOTS} streams of 64-token prompts on {NUM_SLOTS} slots, a 20-token "
+        "victim request every N steps)",
         "",
-        "| cooldown (steps) | reclaims | tokens dropped | share of computed | victim wait p50 "
-        "/ max (steps) | victims |",
-        "|---|---|---|---|---|---|",
+        "Recomputed: prompt and output tokens the hog's reclaimed streams had to "
+        "compute again when re-admitted (prefix cache off: every dropped token; on: "
+        "what the cache no longer held).",
+        "",
+        "| victim every | prefix cache | cooldown | reclaims | tokens recomputed | hog tokens "
+        "generated | victim wait p50 / max (steps) | victims |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for cooldown in COOLDOWNS:
-        r = churn(cooldown, args.steps)
-        lines.append(
-            f"| {cooldown} | {r['reclaims']} | {r['dropped']} | {100 * r['dropped_share']:.1f} % "
-            f"| {r['wait_p50']} / {r['wait_max']} | {r['victims']} |"
-        )
+    for every in (25, 10):
+        for prefix_cache in (False, True):
+            for cooldown in COOLDOWNS:
+                r = churn(cooldown, args.steps, every, prefix_cache)
+                lines.append(
+                    f"| {every} | {'on' if prefix_cache else 'off'} | {cooldown} | "
+                    f"{r['reclaims']} | {r['recomputed']} | {r['hog_tokens']} | "
+                    f"{r['wait_p50']} / {r['wait_max']} | {r['victims']} |"
+                )
     shallow: list[float] = []
     deep: list[float] = []
     for _ in range(args.rounds):

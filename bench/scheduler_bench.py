@@ -10,7 +10,7 @@ Two schedulers holding the same requests can differ by several percent in
 step time from where their objects landed in memory alone, so each variant is
 built ``--builds`` times and every build runs in every round; the figure is
 the median over all of them. The last column times the plugin's own code
-(pre-pass, turn stealing, slot reclaim, skip, settle) inside the same steps: the part of
+(the planner's plan and settle, the adapter applying the plan) inside the same steps: the part of
 the difference that is the plugin's work rather than memory layout.
 
 Run: .venv/bin/python -m bench.scheduler_bench [--steps N] [--rounds K] [--builds B]
@@ -24,16 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine_ext.planner import StepPlanner
 from engine_ext.scheduler import OutputRateMixin
 from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
 
-# The mixin methods that run around upstream's schedule() in every step.
+# (object, method) that run around upstream's schedule() in every step: the
+# planner's plan and settle, the adapter's application of the plan.
 OWN_CODE = (
-    "_plan_running",
-    "_steal_turns_for_waiting",
-    "_reclaim_slots",
-    "_skip_running",
-    "_settle",
+    ("output_rate_planner", "plan"),
+    (None, "_apply_plan"),
+    ("output_rate_planner", "settle"),
 )
 
 
@@ -81,14 +81,15 @@ def own_code_us(sched: Any, num_steps: int) -> float:
 
         return run
 
-    for name in OWN_CODE:
-        setattr(sched, name, timed(getattr(sched, name)))
+    owners = [(getattr(sched, holder) if holder else sched, name) for holder, name in OWN_CODE]
+    for owner, name in owners:
+        setattr(owner, name, timed(getattr(owner, name)))
     try:
         for _ in range(num_steps):
             step(sched)
     finally:
-        for name in OWN_CODE:
-            delattr(sched, name)
+        for owner, name in owners:
+            delattr(owner, name)
     return spent[0] / num_steps / 1000
 
 
@@ -98,7 +99,7 @@ def main() -> list[str]:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--builds", type=int, default=3)
     args = parser.parse_args()
-    assert all(callable(getattr(OutputRateMixin, name, None)) for name in OWN_CODE)
+    assert all(callable(getattr(StepPlanner if h else OutputRateMixin, n)) for h, n in OWN_CODE)
     rows = [
         "| R running | upstream µs/step | output-rate µs/step | ratio "
         "| plugin's own code µs/step (share of upstream) | all throttled µs/step |",

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Callable
 from typing import Any
+
+from engine_ext import vllm_compat
 
 # A child of the "vllm" logger, so messages go through vLLM's own log configuration.
 logger = logging.getLogger("vllm.output_rate." + __name__)
-
-_PATCHED_ATTR = "_output_rate_patched"
 
 
 def is_output_rate_scheduler(scheduler: object) -> bool:
@@ -39,25 +40,61 @@ def wait_for_input(engine: Any, timeout_s: float) -> bool:
     if timeout_s <= 0:
         return False
     try:
-        request = engine.input_queue.get(timeout=timeout_s)
+        item = vllm_compat.engine_input_queue(engine).get(timeout=timeout_s)
     except queue.Empty:
         return False
     # The rest of the queue is drained by the busy loop's next
     # _process_input_queue(), exactly as for any other step.
-    engine._handle_client_request(*request)
+    vllm_compat.handle_engine_input(engine, item)
     return True
 
 
-def install_wake(engine: Any) -> None:
+def install_wake(engine: Any) -> Callable[[], None] | None:
     """Let another thread (the control-plane client) end the engine's idle wait."""
     from vllm.v1.engine import EngineCoreRequestType
 
     if not is_output_rate_scheduler(engine.scheduler):
-        return
-    input_queue = engine.input_queue
+        return None
+    input_queue = vllm_compat.engine_input_queue(engine)
     wakeup = (EngineCoreRequestType.WAKEUP, None)
-    engine.scheduler.wake_engine = lambda: input_queue.put_nowait(wakeup)
+
+    def wake() -> None:
+        input_queue.put_nowait(wakeup)
+
+    engine.scheduler.wake_engine = wake
     logger.info("output-rate: engine idle wait on (throttled steps wait on the input queue)")
+    return wake
+
+
+def connect_control_plane(scheduler: Any, wake: Callable[[], None]) -> Any:
+    """Start the control-plane client of an engine with an endpoint and attach it.
+
+    Called before the engine's busy loop reads its first request, so a
+    request is never served before the snapshot is applied, unless the
+    control plane does not answer within the snapshot timeout: then the
+    engine serves with its command-line limits and takes the snapshot when
+    it comes.
+    """
+    from engine_ext.push_client import PushClient
+
+    config = scheduler.output_rate_config
+    client = PushClient(
+        endpoint=config.control_plane_endpoint,
+        engine_id=config.engine_id or "engine",
+        model=str(scheduler.vllm_config.model_config.served_model_name or ""),
+        server_public_key=config.control_plane_public_key,
+        wake=wake,
+    )
+    client.start()
+    if not client.wait_for_snapshot(config.snapshot_timeout_s):
+        logger.warning(
+            "output-rate: control plane %s not reachable within %.1fs; "
+            "serving with the limits from the command line until it answers",
+            config.control_plane_endpoint,
+            config.snapshot_timeout_s,
+        )
+    scheduler.attach_push_client(client)
+    return client
 
 
 def idle_wait_after_step(engine: Any, model_executed: bool) -> None:
@@ -69,27 +106,32 @@ def idle_wait_after_step(engine: Any, model_executed: bool) -> None:
         wait_for_input(engine, scheduler.output_rate_wait_s())
 
 
-def patch_engine_core() -> None:
-    """Patch ``EngineCoreProc`` once per process (the plugin may run several times)."""
-    from vllm.v1.engine.core import EngineCoreProc
+# ---- EngineCoreProc (rows of vllm_compat.PATCHES) ---------------------------
 
-    if getattr(EngineCoreProc, _PATCHED_ATTR, False):
-        return
-    original_step = EngineCoreProc._process_engine_step
-    original_busy_loop = EngineCoreProc.run_busy_loop
 
+def wrap_run_busy_loop(original: Callable[[Any], None]) -> Callable[[Any], None]:
     # The plugin is first loaded in the engine-core process from inside
     # EngineCore.__init__, too late to wrap __init__ for that instance; the busy
-    # loop starts after construction, so the wake hook is installed there.
+    # loop starts after construction, so the wake hook and the control-plane
+    # client are installed there, before the first request is read.
     def run_busy_loop(self: Any) -> None:
-        install_wake(self)
-        original_busy_loop(self)
+        wake = install_wake(self)
+        client = None
+        if wake is not None and self.scheduler.output_rate_config.control_plane_endpoint:
+            client = connect_control_plane(self.scheduler, wake)
+        try:
+            original(self)
+        finally:
+            if client is not None:
+                client.close()
 
+    return run_busy_loop
+
+
+def wrap_process_engine_step(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
     def _process_engine_step(self: Any) -> bool:
-        model_executed: bool = original_step(self)
+        model_executed = original(self)
         idle_wait_after_step(self, model_executed)
         return model_executed
 
-    EngineCoreProc.run_busy_loop = run_busy_loop
-    EngineCoreProc._process_engine_step = _process_engine_step
-    setattr(EngineCoreProc, _PATCHED_ATTR, True)
+    return _process_engine_step

@@ -8,7 +8,7 @@ Two halves, one per process (docs/metrics.md):
   tokens of throttled users per tier, and, about once a second, puts a small
   plain-data snapshot on the ``SchedulerStats`` that vLLM already sends to the
   API server (``Scheduler.make_stats``). Per step it costs one call with
-  O(throttled users) work; the per-user counts come from the scheduler's own
+  O(throttled users) work; the per-user counts come from the planner's own
   usage dicts once a second.
 - ``OutputRateCollector`` lives in the API server process: vLLM's stat logger
   hands it each snapshot (engine_ext/stat_logger.py) and it renders the latest
@@ -110,6 +110,8 @@ class EngineMetrics:
         self._throttled_before: set[str] = set()
         # user -> clock ns of its last granted token (watched users only).
         self._last_grant_ns: dict[str, int] = {}
+        # user -> its count in the scheduler's running dict at the last step.
+        self._seen: dict[str, int] = {}
         self._next_snapshot_ns = 0
 
     # ---- engine thread, once per usage interval ------------------------------
@@ -120,7 +122,11 @@ class EngineMetrics:
         throttled: Mapping[str, int],
         tier_of: Callable[[str], str | None] = lambda user: None,
     ) -> None:
-        """Count one usage interval's per-user tokens granted and request-steps refused."""
+        """Count one usage interval's per-user tokens granted and request-steps refused.
+
+        The scheduler starts new running counts after this call.
+        """
+        self._seen = {}
         now = self.clock_ns()
         users = self.users
         active = set(granted).union(throttled)
@@ -167,23 +173,29 @@ class EngineMetrics:
 
     # ---- engine thread, every step -------------------------------------------
 
-    def on_step(self, num_sampled: Mapping[str, int] | None, num_throttled: int) -> None:
-        """Record this step's throttled resident requests and watched users' token times."""
+    def on_step(self, granted: Mapping[str, int], num_throttled: int) -> None:
+        """Record this step's throttled resident requests and watched users' token times.
+
+        ``granted`` is the scheduler's running count of tokens per user since the
+        last ``add_usage`` (the planner's ``num_granted``); the tokens of this step
+        are its growth. Costs O(watched users).
+        """
         self.num_throttled_resident = num_throttled
         watched = self._watched
-        if not watched or not num_sampled:
+        if not watched or not granted:
             return
-        now = self.clock_ns()
+        seen = self._seen
         last_grant = self._last_grant_ns
-        if len(num_sampled) <= len(watched):
-            users = [u for u in num_sampled if u in watched]
-        else:
-            users = [u for u in watched if u in num_sampled]
-        for user in users:
-            num = num_sampled[user]
+        now = 0
+        for user, hist in watched.items():
+            total = granted.get(user)
+            if total is None:
+                continue
+            num = total - seen.get(user, 0)
             if num <= 0:
                 continue
-            hist = watched[user]
+            seen[user] = total
+            now = now or self.clock_ns()
             last = last_grant.get(user)
             if last is not None:
                 hist.observe((now - last) / 1e9)

@@ -7,6 +7,8 @@ to vLLM's own argument parser, carries them into
 and selects the scheduler subclass matching ``async_scheduling``. In the
 engine-core process it patches the idle wait; in a multiproc worker process,
 the busy window of the worker's input reader (engine_ext/worker_spin.py).
+Every patch is a row of ``engine_ext.vllm_compat.PATCHES``; this module only
+holds the replacements for vLLM's ``EngineArgs`` and OpenAI serving methods.
 With none of the flags given, nothing changes: the scheduler is upstream's.
 """
 
@@ -16,8 +18,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from engine_ext import vllm_compat
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
 
 # A child of the "vllm" logger, so messages go through vLLM's own log configuration.
@@ -25,7 +29,6 @@ logger = logging.getLogger("vllm.output_rate." + __name__)
 
 SYNC_SCHEDULER = "engine_ext.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER = "engine_ext.scheduler.OutputRateAsyncScheduler"
-_PATCHED_ATTR = "_output_rate_patched"
 # Set by the API server process when limiting is on. Extra API server processes
 # (--api-server-count > 1) are spawned with the parsed arguments and build
 # their EngineArgs before any plugin is loaded there, so they learn it from the
@@ -36,43 +39,38 @@ API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def register() -> None:
-    _patch_engine_args()
+    vllm_compat.apply_patches(vllm_compat.PATCHES)
     if limiting_on() and API_SERVER_MODULE in sys.modules:
         _reject_beam_search()  # an extra API server process
         _install_metrics()
-    from engine_ext.engine_core import patch_engine_core
-    from engine_ext.worker_spin import patch_worker_proc
-
-    patch_engine_core()
-    patch_worker_proc()
 
 
 def limiting_on() -> bool:
     return os.environ.get(LIMITING_ENV) == "1"
 
 
-def _patch_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+# ---- EngineArgs (rows of vllm_compat.PATCHES) -------------------------------
 
-    if getattr(EngineArgs, _PATCHED_ATTR, False):
-        return
-    original_add_cli_args = EngineArgs.add_cli_args
-    original_from_cli_args = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
-    original_create_engine_config = EngineArgs.create_engine_config
 
+def wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
-        parser = original_add_cli_args(parser, *args, **kwargs)
+        parser = original(parser, *args, **kwargs)
         from engine_ext.flags import add_flags
 
         add_flags(parser)
         return parser
 
+    return add_cli_args
+
+
+def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
-        engine_args = original_from_cli_args(cls, args)
+        engine_args = original(cls, args)
         from engine_ext.flags import config_from_args
 
         rate_config = config_from_args(args)
         if rate_config.enabled:
+            vllm_compat.check_vllm_version()
             engine_args.additional_config = {
                 **(engine_args.additional_config or {}),
                 CONFIG_KEY: rate_config.to_dict(),
@@ -82,8 +80,12 @@ def _patch_engine_args() -> None:
             _install_metrics()
         return engine_args
 
+    return from_cli_args
+
+
+def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        vllm_config = original_create_engine_config(self, *args, **kwargs)
+        vllm_config = original(self, *args, **kwargs)
         rate_config = OutputRateConfig.from_vllm_config(vllm_config)
         if not rate_config.enabled:
             return vllm_config
@@ -104,10 +106,7 @@ def _patch_engine_args() -> None:
         )
         return vllm_config
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
-    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    setattr(EngineArgs, _PATCHED_ATTR, True)
+    return create_engine_config
 
 
 def _install_metrics() -> None:
@@ -119,6 +118,8 @@ def _install_metrics() -> None:
     else:
         logger.warning("output-rate: SchedulerStats cannot carry engine metrics; not exported")
 
+
+# ---- beam search (rows of vllm_compat.BEAM_SEARCH_PATCHES) -----------------
 
 BEAM_SEARCH_MESSAGE = (
     "use_beam_search is not supported while per-user output-rate limiting is on: "
@@ -133,23 +134,13 @@ def _reject_beam_search() -> None:
     serving modules elsewhere would slow every engine's start); only requests
     that ask for beam search read the environment.
     """
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    vllm_compat.apply_patches(vllm_compat.BEAM_SEARCH_PATCHES)
 
-    for cls, name in (
-        (OpenAIServingCompletion, "create_completion"),
-        (OpenAIServingChat, "create_chat_completion"),
-    ):
-        original = getattr(cls, name)
-        if getattr(original, _PATCHED_ATTR, False):
-            continue
 
-        async def guarded(
-            self: Any, request: Any, *args: Any, _original: Any = original, **kw: Any
-        ) -> Any:
-            if getattr(request, "use_beam_search", False) and limiting_on():
-                return self.create_error_response(BEAM_SEARCH_MESSAGE)
-            return await _original(self, request, *args, **kw)
+def wrap_reject_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def guarded(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(request, "use_beam_search", False) and limiting_on():
+            return self.create_error_response(BEAM_SEARCH_MESSAGE)
+        return await original(self, request, *args, **kwargs)
 
-        setattr(guarded, _PATCHED_ATTR, True)
-        setattr(cls, name, guarded)
+    return guarded

@@ -8,32 +8,31 @@ to the API server, whose ``StatLoggerManager`` hands it to every stat logger.
 So (docs/metrics.md):
 
 1. ``SchedulerStats`` (a dataclass) gets one more field, ``output_rate``
-   (default ``None``), in every process, so msgspec encodes and decodes it.
-   Done in ``register()`` before the first stats object is encoded or decoded;
-   msgspec caches a dataclass's decoding info on the class
-   (``__msgspec_cache__``), which is dropped so the field is seen even then.
+   (default ``None``), in the API server (when the flags are parsed) and in
+   the engine core (scheduler constructor), so msgspec encodes and decodes
+   it (``vllm_compat.add_scheduler_stats_field``).
 2. The output-rate scheduler's ``make_stats`` puts a snapshot there about once
    a second (engine_ext/metrics.py).
 3. In API server processes of a limited server, the stat logger factories
    AsyncLLM loads (``vllm.v1.engine.async_llm.load_stat_logger_plugin_factories``,
-   the function behind the ``vllm.stat_logger_plugins`` entry point group) also
-   return ``OutputRateStatLogger``, which feeds ``OutputRateCollector`` on the
-   default registry. This is the same as declaring the entry point, but only
-   for limited servers and with no change to a server without limits.
+   the function behind the ``vllm.stat_logger_plugins`` entry point group; a
+   row of ``vllm_compat.METRICS_PATCHES``) also return ``OutputRateStatLogger``,
+   which feeds ``OutputRateCollector`` on the default registry. This is the
+   same as declaring the entry point, but only for limited servers and with
+   no change to a server without limits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
+from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
 from engine_ext.metrics import PAYLOAD_FIELD, EngineMetrics, OutputRateCollector
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
-
-_PATCHED_ATTR = "_output_rate_patched"
 
 # One collector per process on prometheus_client's default registry.
 COLLECTOR = OutputRateCollector()
@@ -41,34 +40,8 @@ _registered = False
 
 
 def add_stats_field() -> bool:
-    """Give ``SchedulerStats`` the ``output_rate`` field (idempotent). True if it round-trips."""
-    from vllm.v1.metrics.stats import SchedulerStats
-
-    if PAYLOAD_FIELD not in SchedulerStats.__dataclass_fields__:
-        field: Any = dataclasses.field(default=None)
-        field.name = PAYLOAD_FIELD
-        field.type = dict[str, Any] | None
-        field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
-        SchedulerStats.__dataclass_fields__[PAYLOAD_FIELD] = field
-        SchedulerStats.__annotations__[PAYLOAD_FIELD] = dict[str, Any] | None
-        setattr(SchedulerStats, PAYLOAD_FIELD, None)
-        if "__msgspec_cache__" in vars(SchedulerStats):
-            delattr(SchedulerStats, "__msgspec_cache__")
-    return stats_field_round_trips()
-
-
-def stats_field_round_trips() -> bool:
-    """Encode and decode a probe the way vLLM sends engine outputs."""
-    from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.metrics.stats import SchedulerStats
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-    stats = SchedulerStats()
-    setattr(stats, PAYLOAD_FIELD, {"probe": [1]})
-    frames = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
-    decoded = MsgpackDecoder(EngineCoreOutputs).decode(frames)
-    got = getattr(decoded.scheduler_stats, PAYLOAD_FIELD, None)
-    return bool(got == {"probe": [1]})
+    """``SchedulerStats`` carries the snapshot (idempotent). True if it round-trips."""
+    return vllm_compat.add_scheduler_stats_field(PAYLOAD_FIELD)
 
 
 def stat_logger_class() -> type:
@@ -110,18 +83,17 @@ def register_collector() -> None:
 
 def install_stat_logger() -> None:
     """Make AsyncLLM (API server process) load ``OutputRateStatLogger`` (idempotent)."""
-    import vllm.v1.engine.async_llm as async_llm
+    vllm_compat.apply_patches(vllm_compat.METRICS_PATCHES)
 
-    original = async_llm.load_stat_logger_plugin_factories
-    if getattr(original, _PATCHED_ATTR, False):
-        return
+
+def wrap_load_stat_logger_plugin_factories(original: Callable[[], list[Any]]) -> Callable[..., Any]:
+    """A row of ``vllm_compat.METRICS_PATCHES``: the factories plus the output-rate logger."""
     logger_cls = stat_logger_class()
 
     def load_stat_logger_plugin_factories() -> list[Any]:
         return [*original(), logger_cls]
 
-    setattr(load_stat_logger_plugin_factories, _PATCHED_ATTR, True)
-    async_llm.load_stat_logger_plugin_factories = load_stat_logger_plugin_factories
+    return load_stat_logger_plugin_factories
 
 
 def engine_metrics_for(config: OutputRateConfig, log_stats: bool) -> EngineMetrics | None:

@@ -35,7 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
+from engine_ext.vllm_compat import PATCHED_MARK
 
 # A child of the "vllm" logger, so messages go through vLLM's own log configuration.
 logger = logging.getLogger("vllm.output_rate." + __name__)
@@ -44,7 +46,6 @@ logger = logging.getLogger("vllm.output_rate." + __name__)
 # load, short enough that a throttled engine's steps (tens of ms apart) leave
 # the worker parked most of the time.
 BUSY_WINDOW_S = 0.005
-_PATCHED_ATTR = "_output_rate_patched"
 
 
 def shorten_reader_spin(
@@ -60,7 +61,7 @@ def shorten_reader_spin(
     0.32.0's reader: a reader flag, float ``busy_loop_s`` and ``last_read``, a
     callable ``wait``. Idempotent.
     """
-    if getattr(spin, _PATCHED_ATTR, False):
+    if getattr(spin, PATCHED_MARK, False):
         return True
     if not (
         getattr(spin, "is_reader", False) is True
@@ -86,7 +87,7 @@ def shorten_reader_spin(
 
     spin.busy_loop_s = busy_window_s
     spin.wait = wait
-    setattr(spin, _PATCHED_ATTR, True)
+    setattr(spin, PATCHED_MARK, True)
     return True
 
 
@@ -95,10 +96,9 @@ def park_idle_worker(worker_proc: Any) -> None:
     vllm_config = getattr(getattr(worker_proc, "worker", None), "vllm_config", None)
     if not OutputRateConfig.from_vllm_config(vllm_config).enabled:
         return
-    queue = getattr(worker_proc, "rpc_broadcast_mq", None)
-    if queue is None or getattr(queue, "_is_local_reader", None) is False:
-        return  # a remote reader blocks on a ZMQ socket: nothing spins
-    spin: Any = getattr(queue, "_spin_condition", None)
+    spins, spin = vllm_compat.worker_input_reader(worker_proc)
+    if not spins:
+        return
     upstream_s = getattr(spin, "busy_loop_s", None)
     # [whether the last step the worker ran scheduled no token]
     last_step_empty = [False]
@@ -124,7 +124,7 @@ def _note_empty_steps(worker: Any, last_step_empty: list[bool]) -> None:
     the short window after every step.
     """
     execute_model = getattr(worker, "execute_model", None)
-    if not callable(execute_model) or getattr(execute_model, _PATCHED_ATTR, False):
+    if not callable(execute_model) or getattr(execute_model, PATCHED_MARK, False):
         return
 
     def execute_model_noting_empty(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -132,35 +132,23 @@ def _note_empty_steps(worker: Any, last_step_empty: list[bool]) -> None:
         last_step_empty[0] = num_tokens == 0
         return execute_model(scheduler_output, *args, **kwargs)
 
-    setattr(execute_model_noting_empty, _PATCHED_ATTR, True)
+    setattr(execute_model_noting_empty, PATCHED_MARK, True)
     worker.execute_model = execute_model_noting_empty
 
 
-def patch_worker_proc() -> None:
-    """Patch ``WorkerProc.worker_busy_loop`` once per process.
+def wrap_worker_busy_loop(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``WorkerProc.worker_busy_loop`` (a row of vllm_compat.PATCHES).
 
     General plugins are loaded in a worker from ``init_worker`` inside
     ``WorkerProc.__init__``, before its message queues exist; the busy loop
     starts after they do, so the reader is adjusted there, in the worker.
     """
-    try:
-        from vllm.v1.executor.multiproc_executor import WorkerProc
-    except ImportError:
-        logger.warning("output-rate: vLLM's multiproc WorkerProc not found; worker not patched")
-        return
-    if getattr(WorkerProc, _PATCHED_ATTR, False):
-        return
-    original_busy_loop = getattr(WorkerProc, "worker_busy_loop", None)
-    if not callable(original_busy_loop):
-        logger.warning("output-rate: WorkerProc.worker_busy_loop not found; worker not patched")
-        return
 
     def worker_busy_loop(self: Any) -> Any:
         try:
             park_idle_worker(self)
         except Exception:  # never let an optimisation stop a worker from serving
             logger.exception("output-rate: could not adjust the worker's input reader")
-        return original_busy_loop(self)
+        return original(self)
 
-    WorkerProc.worker_busy_loop = worker_busy_loop
-    setattr(WorkerProc, _PATCHED_ATTR, True)
+    return worker_busy_loop

@@ -49,6 +49,8 @@ class UserView:
     num_done: int = 0
     # When the request now in flight was sent, until its first token.
     pending_since: float | None = None
+    # Tokens/s of the last finished request, first token to last.
+    last_stream_rate: float | None = None
     history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def rate(self, now: float) -> float:
@@ -70,6 +72,7 @@ async def stream_once(
         "vllm_xargs": {"output_rate_user": view.name},
     }
     sent = view.pending_since = time.monotonic()
+    first = last = sent
     seen = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -83,9 +86,13 @@ async def stream_once(
                 if seen == 0:
                     view.ttft_ms.append((now - sent) * 1000)
                     view.pending_since = None
+                    first = now
+                last = now
                 view.token_times.extend([now] * (num_tokens - seen))
                 seen = num_tokens
     view.num_done += 1
+    if seen > 1 and last > first:
+        view.last_stream_rate = (seen - 1) / (last - first)
 
 
 async def keep_streaming(
@@ -124,18 +131,25 @@ class Screen:
             return
         lines = [self.header, "", f"\033[1m{self.phase}\033[0m", ""]
         lines.append(
-            f"{'user':8} {'streams':>7} {'tok/s':>8} {'limit':>10} "
-            f"{'TTFT last':>10} {'TTFT p50':>9} {'done':>6}  last {HISTORY} refreshes"
+            f"{'user':8} {'streams':>7} {'tok/s':>8} {'limit':>10} {'1 stream':>9} "
+            f"{'TTFT last':>10} {'TTFT p50':>9} {'done':>6}  tok/s, last {HISTORY} refreshes"
         )
         peak = max([max(v.history) for v in self.views] + [1.0])
         for v in self.views:
             spark = "".join(SPARK[min(8, round(8 * x / peak))] for x in v.history)
             p50 = f"{statistics.median(v.ttft_ms):.0f} ms" if v.ttft_ms else "-"
+            stream = f"{v.last_stream_rate:.0f}" if v.last_stream_rate is not None else "-"
             lines.append(
                 f"{v.name:8} {v.num_streams:>7} {rates[v.name]:>8.1f} {v.limit:>10} "
-                f"{self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}"
+                f"{stream:>9} {self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}"
             )
-        lines += ["", *self.events]
+        lines += [
+            "",
+            "tok/s: the user's tokens per second over the last 2 s, all streams; "
+            "1 stream: speed of its last finished request",
+            "",
+            *self.events,
+        ]
         sys.stdout.write("\033[H\033[J" + "\n".join(lines) + "\n")
         sys.stdout.flush()
 

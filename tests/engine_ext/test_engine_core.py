@@ -21,7 +21,8 @@ import pytest
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 
-from engine_ext.engine_core import idle_wait_after_step, install_wake, patch_engine_core
+from engine_ext.engine_core import idle_wait_after_step, install_wake
+from engine_ext.plugin import register
 from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
 
 # Bounds far from the expected values, so a loaded machine cannot break them.
@@ -30,7 +31,7 @@ WOKEN_WITHIN_S = 10.0
 
 
 def make_engine(scheduler: Any) -> Any:
-    patch_engine_core()
+    register()
     engine: Any = object.__new__(EngineCoreProc)
     engine.scheduler = scheduler
     engine.input_queue = queue.Queue()

@@ -118,11 +118,14 @@ def test_intervals_of_throttled_users_only_per_tier() -> None:
     metrics, clock = make_metrics()
     tiers = {"slow": "bronze"}
     metrics.add_usage({"slow": 1, "fast": 1}, {"slow": 3}, tiers.get)
-    for _ in range(5):  # one token every 50 ms for both users
+    # on_step gets the scheduler's running counts since the last add_usage.
+    for i in range(1, 6):  # one token every 50 ms for both users
         clock.ns += 50 * MS
-        metrics.on_step({"slow": 1, "fast": 1}, 2)
+        metrics.on_step({"slow": i, "fast": i}, 2)
     clock.ns += 50 * MS
-    metrics.on_step({"slow": 3}, 0)  # three streams in one step: one interval and two zeros
+    metrics.on_step({"slow": 8, "fast": 5}, 0)  # 3 streams in one step: an interval, 2 zeros
+    clock.ns += 10 * MS
+    metrics.on_step({"slow": 8, "fast": 6}, 0)  # no token for slow: nothing recorded
     rendered = samples(snapshot(metrics))
     counts = rendered["vllm:output_rate_token_interval_seconds_count"]
     assert counts == {(("engine", "0"), ("model_name", "tiny"), ("tier", "bronze")): 4 + 1 + 2}
@@ -144,7 +147,7 @@ def test_a_user_not_throttled_for_two_intervals_is_no_longer_watched() -> None:
     metrics.add_usage({}, {"slow": 1})
     metrics.on_step({"slow": 1}, 0)
     metrics.add_usage({"slow": 1}, {})  # still watched (throttled one interval ago)
-    metrics.add_usage({"slow": 1}, {})  # no longer
+    metrics.add_usage({}, {})  # no longer
     clock.ns += 3_000 * MS
     metrics.on_step({"slow": 1}, 0)
     rendered = samples(snapshot(metrics))

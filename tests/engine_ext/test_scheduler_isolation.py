@@ -227,3 +227,24 @@ def test_deep_queue_of_a_throttled_user_hides_nobody_and_costs_no_more(
     deep, _ = queue_hog_and_time_steps(async_scheduling, 2000)
     shallow = min(shallow, queue_hog_and_time_steps(async_scheduling, 10)[0])
     assert deep <= 3 * shallow, (deep, shallow)
+
+
+@MODES
+def test_victim_is_admitted_at_once_while_the_hog_has_budget_for_its_own_queue(
+    async_scheduling: bool,
+) -> None:
+    # At 100 tok/s and 10 ms steps the hog has budget for about one request a
+    # step, so its own queue is admissible too; the reclaimed slot must go to
+    # the victim, not back to the hog.
+    clock = FakeClock()
+    sched = make_hog_scheduler(async_scheduling, clock, hog_rate=100)
+    for _ in range(3 * NUM_SLOTS):
+        sched.add_request(make_request("hog", max_tokens=400))
+    drive(sched, num_steps=50, clock=clock, step_ms=10)
+    assert len(sched.running) == NUM_SLOTS
+    for i in range(10):
+        victim = make_request(f"victim-{i}", max_tokens=3)
+        sched.add_request(victim)
+        trace = drive(sched, num_steps=1, clock=clock, step_ms=10, keep_outputs=True)
+        assert victim.request_id in trace.outputs[0].num_scheduled_tokens, i
+        drive(sched, num_steps=7, clock=clock, step_ms=10)

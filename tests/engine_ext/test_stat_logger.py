@@ -92,6 +92,7 @@ def test_scheduler_counts_match_tokens_and_only_the_limited_user_is_throttled(
     sched.kv_cache_manager.make_prefix_cache_stats = PrefixCacheStats
     assert stat_logger.add_stats_field()
     sched.output_rate_metrics = EngineMetrics(clock_ns=clock)
+    sched.output_rate_planner.count_granted = True  # as the constructor does with metrics
     slow = [make_request("slow", max_tokens=1000) for _ in range(2)]
     fast = [make_request("fast", max_tokens=1000)]
     for request in slow + fast:

@@ -22,10 +22,11 @@ from vllm.v1.executor.multiproc_executor import WorkerProc
 
 from engine_ext import worker_spin
 from engine_ext.config import CONFIG_KEY
+from engine_ext.plugin import register
+from engine_ext.vllm_compat import PATCHED_MARK
 from engine_ext.worker_spin import (
     BUSY_WINDOW_S,
     park_idle_worker,
-    patch_worker_proc,
     shorten_reader_spin,
 )
 
@@ -246,9 +247,10 @@ def test_changed_internals_log_and_skip() -> None:
 def test_real_worker_busy_loop_patches_its_reader_before_reading(
     queues: tuple[MessageQueue, MessageQueue],
 ) -> None:
-    patch_worker_proc()
-    patch_worker_proc()  # idempotent: the loop is wrapped once
-    assert getattr(WorkerProc, "_output_rate_patched", False)
+    register()
+    register()  # idempotent: the loop is wrapped once
+    assert getattr(WorkerProc.worker_busy_loop, PATCHED_MARK, False)
+    assert not getattr(WorkerProc.worker_busy_loop.__wrapped__, PATCHED_MARK, False)
     reader = queues[1]
     reader.shutting_down = True  # the real loop's first dequeue raises "cancelled"
     with pytest.raises(RuntimeError, match="cancelled"):

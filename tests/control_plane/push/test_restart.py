@@ -215,6 +215,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
     """The real vLLM 0.32 scheduler with the push client, against the real push server."""
     from control_plane.push.server import PushServer
     from engine_ext.config import OutputRateConfig
+    from engine_ext.engine_core import connect_control_plane
     from tests.engine_ext.sched_helpers import make_scheduler
 
     db_url = f"sqlite:///{tmp_path / 'cp.db'}"
@@ -239,14 +240,15 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
 
     monkeypatch.setattr(OutputRateConfig, "from_vllm_config", classmethod(with_endpoint))
     scheduler = make_scheduler(default_rate=1000, user_rates={"b": 500})
+    # What the engine-core side does before its busy loop reads a request.
+    client = connect_control_plane(scheduler, wake=lambda: None)
     try:
         limiter = scheduler.output_rate_limiter  # type: ignore[attr-defined]
-        # Construction waited for the snapshot: the flags' limits are replaced before any step.
+        # The connection waited for the snapshot: the flags' limits are replaced before any step.
         assert (limiter.default_rate, limiter.user_rates()) == (40, {"a": 7})
         database.write_now(services.put_limit, actor="t", user="b", rate=3, tier=None)
         version = database.read_now(services.current_version)
         server.notify(version)
-        client = scheduler.push_client  # type: ignore[attr-defined]
         deadline = time.monotonic() + WAIT_S
         while client.applied_version < version:
             assert time.monotonic() < deadline
@@ -254,6 +256,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
             time.sleep(0.01)
         assert scheduler.output_rate_limiter.user_rates() == {"a": 7, "b": 3}  # type: ignore[attr-defined]
     finally:
+        client.close()
         scheduler.shutdown()
         server.close()
         db.dispose()

@@ -1,0 +1,512 @@
+"""What one ``schedule()`` step does about output rates, in plain Python (no vLLM import).
+
+``StepPlanner.plan`` reads the running requests (the attributes of
+``RequestLike``, which mirror vLLM 0.32.0's ``Request``) and the per-user view
+of the waiting queues, and decides with the limiter:
+
+- which running requests are charged one token (their step would sample),
+- which are throttled (refused; they stay resident and are skipped),
+- which are parked (have a token but no active slot; skipped and refunded),
+- which throttled requests give their worker slot back (reclaim victims),
+- the admission cap for this step.
+
+The scheduler adapter (engine_ext/scheduler.py) applies the plan to upstream's
+state in one place, runs upstream's ``schedule()`` with an ``AdmissionGate``
+on the waiting queues, and hands the output to ``StepPlanner.settle``, the
+single refund point. Line numbers below are vLLM 0.32.0's
+``vllm/v1/core/sched/scheduler.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Container, Iterable, Mapping
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Protocol
+
+from engine_ext.limiter import OutputRateLimiter
+
+# Steps during which a request re-admitted after a slot reclaim cannot be
+# reclaimed again (see docs/scheduler.md, "Slot reclaim").
+RECLAIM_COOLDOWN_STEPS = 32
+
+_REQUEST_ID = attrgetter("request_id")
+_IS_PREFILL_CHUNK = attrgetter("is_prefill_chunk")
+
+
+class RequestLike(Protocol):
+    """What the planner reads of a request (vLLM's ``Request`` has all of it)."""
+
+    request_id: str
+    num_output_placeholders: int
+    num_computed_tokens: int
+    next_decode_eligible_step: int
+    num_prompt_tokens: int
+    max_tokens: int
+    is_prefill_chunk: bool
+    arrival_time: float
+
+    @property
+    def num_tokens_with_spec(self) -> int: ...
+
+
+class WaitingLike(Protocol):
+    """The per-user view of a waiting queue (``UserIndexedQueue``)."""
+
+    def __len__(self) -> int: ...
+
+    def users(self) -> Iterable[str]: ...
+
+    def num_requests_of(self, user: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The slot counts of one step, before the plan."""
+
+    max_active: int  # --max-num-active-seqs (upstream's admission cap)
+    max_running: int  # --max-num-seqs (worker slots)
+    num_held: int  # requests holding a worker slot: running + paused streaming sessions
+    max_chunk: int  # the step's token budget
+
+
+@dataclass
+class StepPlan:
+    # Running requests charged one token this step.
+    charged: list[RequestLike] = field(default_factory=list)
+    # Running requests refused a token: skipped this step, still resident.
+    throttled: list[RequestLike] = field(default_factory=list)
+    # Running requests with a token but no active slot: skipped, refunded.
+    parked: list[RequestLike] = field(default_factory=list)
+    # Throttled requests to preempt so that users with budget get their slots.
+    victims: list[RequestLike] = field(default_factory=list)
+    # user -> that user's charged running requests; built only when needed.
+    granted_by_user: dict[str, list[RequestLike]] | None = None
+    # Admission cap for upstream this step (None: upstream's own).
+    admission_cap: int | None = None
+
+
+@dataclass
+class ReclaimStats:
+    """Slots taken back from throttled requests since the engine started."""
+
+    num_reclaims: int = 0
+    # Tokens the reclaimed requests had computed; recomputed on re-admission
+    # unless the prefix cache still holds their blocks.
+    num_tokens_dropped: int = 0
+
+
+class AdmissionGate:
+    """Charges a waiting request's user when upstream's admission loop reaches it.
+
+    Installed on the waiting queues for one ``schedule()``. A user refused once
+    stays refused for the step, so the rest of its queue costs nothing.
+    """
+
+    __slots__ = ("charged", "limiter", "note_refused", "refused")
+
+    def __init__(
+        self,
+        limiter: OutputRateLimiter,
+        refused: set[str],
+        note_refused: Callable[[str, int], None],
+    ) -> None:
+        self.limiter = limiter
+        self.refused = refused
+        self.note_refused = note_refused
+        # request id -> waiting request charged one token this step.
+        self.charged: dict[str, RequestLike] = {}
+
+    def admits(self, user: str, request: RequestLike) -> bool:
+        if request.request_id in self.charged:
+            return True
+        if user in self.refused:
+            return False
+        if self.limiter.try_take(user):
+            self.charged[request.request_id] = request
+            return True
+        self.refused.add(user)
+        self.note_refused(user, 1)
+        return False
+
+
+class StepPlanner:
+    def __init__(self, limiter: OutputRateLimiter, users: dict[str, str]) -> None:
+        self.limiter = limiter
+        # request id -> rate-limit identity (owned by the adapter).
+        self.users = users
+        # Earliest time a user refused in the last step gets budget again.
+        self.wakeup_ns: int | None = None
+        # user -> request id of the stream that was served last (rotation).
+        self._last_served_req: dict[str, str] = {}
+        # user -> last step in which it was given an active slot while slots
+        # were short (fairness across users).
+        self._last_slot_step: dict[str, int] = {}
+        # Ids of reclaimed requests not re-admitted yet.
+        self._reclaimed: set[str] = set()
+        # request id -> first step in which it may be reclaimed again.
+        self._reclaim_protected_until: dict[str, int] = {}
+        self.reclaim_cooldown_steps = RECLAIM_COOLDOWN_STEPS
+        self.reclaim_stats = ReclaimStats()
+        # user -> tokens granted / requests throttled since last taken.
+        self.num_granted: dict[str, int] = {}
+        self.num_throttled: dict[str, int] = {}
+        # Whether settle() counts granted tokens (only a reporting engine needs them).
+        self.count_granted = False
+
+    # ---- the plan ---------------------------------------------------------
+
+    def plan(
+        self,
+        running: Iterable[RequestLike],
+        waiting: tuple[WaitingLike, ...],
+        slots: Slots,
+        step: int,
+    ) -> tuple[StepPlan, AdmissionGate]:
+        """Decide this step; the gate is for the waiting queues during upstream's schedule()."""
+        self.wakeup_ns = None
+        plan = StepPlan()
+        num_busy = self._charge_running(plan, running, step, slots.max_chunk)
+        plan.parked = self._park_over_active_cap(plan, slots.max_active - num_busy, step)
+        refused: set[str] = set()
+        if any(len(q) for q in waiting):
+            if plan.charged:
+                self._steal_turns_for_waiting(plan, waiting, slots)
+            if plan.throttled:
+                refused = self._choose_reclaim_victims(plan, waiting, slots, step)
+        if plan.throttled:
+            # Throttled requests hold a worker slot but no active slot.
+            plan.admission_cap = min(slots.max_active + len(plan.throttled), slots.max_running)
+        return plan, AdmissionGate(self.limiter, refused, self._note_refused)
+
+    def _charge_running(
+        self, plan: StepPlan, running: Iterable[RequestLike], step: int, max_chunk: int
+    ) -> int:
+        """Charge every running request whose dispatch this step would sample.
+
+        Returns the number of running requests that need no token (mid-prefill chunks).
+        """
+        charged = plan.charged
+        charge = charged.append
+        num_busy = 0
+        for request in running:
+            num_placeholders = request.num_output_placeholders
+            # Upstream's num_new_tokens before its caps (lines 703-707).
+            num_remaining = (
+                request.num_tokens_with_spec + num_placeholders - request.num_computed_tokens
+            )
+            # Upstream's decode cadence skip (lines 680-684).
+            if num_remaining <= 0 or step < request.next_decode_eligible_step:
+                continue
+            if num_remaining > max_chunk:
+                num_busy += 1  # this chunk cannot reach the end
+                continue
+            if (
+                num_placeholders > 0
+                and request.num_computed_tokens + 2 - num_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                continue  # upstream's async look-ahead stop (lines 664-678)
+            charge(request)
+        # One limiter call per step: a user with several streams asks for all
+        # of their tokens at once. (map/attrgetter keep the per-request work in C.)
+        num_wanted = Counter(map(self.users.__getitem__, map(_REQUEST_ID, charged)))
+        num_got = self.limiter.take_many(num_wanted)
+        if num_got:
+            self._rotate_contended(plan, num_got)
+        return num_busy
+
+    def _rotate_contended(self, plan: StepPlan, num_got: dict[str, int]) -> None:
+        """For users that ran short, hand their tokens to streams in rotation order.
+
+        ``num_got`` maps each such user to the tokens it got. The same number of
+        tokens goes to the streams that come first after the one served last.
+        """
+        users = self.users
+        # user -> its dispatchable streams in ``running`` order; filled in the
+        # order in which the users ran out, which is also the order their
+        # throttled streams go to the tail of ``running``.
+        streams_of: dict[str, list[RequestLike]] = {user: [] for user in num_got}
+        refused: dict[str, list[RequestLike]] = {}
+        kept: list[RequestLike] = []
+        for request in plan.charged:
+            user = users[request.request_id]
+            streams = streams_of.get(user)
+            if streams is None:
+                kept.append(request)
+                continue
+            streams.append(request)
+            if len(streams) == num_got[user] + 1:
+                refused[user] = streams
+        for user, streams in refused.items():
+            num_granted = num_got[user]
+            if num_granted:
+                streams = self._rotate(user, streams)
+                kept.extend(streams[:num_granted])
+                self._last_served_req[user] = streams[num_granted - 1].request_id
+            plan.throttled.extend(streams[num_granted:])
+            self._note_refused(user, len(streams) - num_granted)
+        plan.charged = kept
+
+    def _rotate(self, user: str, streams: list[RequestLike]) -> list[RequestLike]:
+        """Start after the stream of ``user`` that was served last."""
+        last_id = self._last_served_req.get(user)
+        if last_id is None:
+            return streams
+        for i, request in enumerate(streams):
+            if request.request_id == last_id:
+                return streams[i + 1 :] + streams[: i + 1]
+        return streams
+
+    def _park_over_active_cap(self, plan: StepPlan, num_free: int, step: int) -> list[RequestLike]:
+        """Refund and return the charged requests beyond the active cap.
+
+        Only possible after throttling let more requests become resident than
+        there are active slots. Slots go to the users that were given one least
+        recently when slots were short, so nobody is favoured for sitting early
+        in ``running``.
+        """
+        if len(plan.charged) <= num_free:
+            return []
+        by_user = self._granted_by_user(plan)
+        order = sorted(by_user, key=lambda u: self._last_slot_step.get(u, -1))
+        parked: list[RequestLike] = []
+        refund = self.limiter.refund
+        for user in order:
+            streams = by_user[user]
+            num_keep = max(0, min(len(streams), num_free))
+            num_free -= num_keep
+            if num_keep:
+                self._last_slot_step[user] = step
+            for request in streams[num_keep:]:
+                refund(user)
+                parked.append(request)
+            del streams[num_keep:]
+        parked_ids = {id(r) for r in parked}
+        plan.charged = [r for r in plan.charged if id(r) not in parked_ids]
+        return parked
+
+    def _granted_by_user(self, plan: StepPlan) -> dict[str, list[RequestLike]]:
+        if plan.granted_by_user is None:
+            users = self.users
+            by_user: dict[str, list[RequestLike]] = {}
+            for request in plan.charged:
+                by_user.setdefault(users[request.request_id], []).append(request)
+            plan.granted_by_user = by_user
+        return plan.granted_by_user
+
+    @staticmethod
+    def _num_free_slots(slots: Slots) -> int:
+        return max(slots.max_running - slots.num_held, 0)
+
+    @staticmethod
+    def _num_free_active_slots(plan: StepPlan, slots: Slots) -> int:
+        """Admissions upstream's active cap (line 923) allows, were worker slots unbounded."""
+        return slots.max_active + len(plan.throttled) - slots.num_held
+
+    def _steal_turns_for_waiting(
+        self, plan: StepPlan, waiting: tuple[WaitingLike, ...], slots: Slots
+    ) -> None:
+        """Give a token granted to a running stream to the user's first waiting one.
+
+        A waiting stream has never been served, so in the user's rotation it
+        comes before every running stream; without this, running streams that
+        keep the budget busy would starve the user's queued requests forever.
+        Only where a slot is free for it: a user's throttled requests are never
+        reclaimed for the same user, so without a free slot the turn would be
+        lost.
+        """
+        num_free = min(self._num_free_slots(slots), self._num_free_active_slots(plan, slots))
+        if num_free <= 0:
+            return
+        by_user = self._granted_by_user(plan)
+        num_available = self.limiter.num_available
+        for queue in waiting:
+            for user in queue.users():
+                streams = by_user.get(user)
+                if not streams or num_available(user, 1):
+                    continue
+                victim = streams.pop()
+                plan.charged.remove(victim)
+                plan.throttled.append(victim)
+                self.limiter.refund(user)
+                self._note_refused(user, 1)
+                num_free -= 1
+                if not num_free:
+                    return
+
+    def _choose_reclaim_victims(
+        self, plan: StepPlan, waiting: tuple[WaitingLike, ...], slots: Slots, step: int
+    ) -> set[str]:
+        """Throttled requests whose worker slots go to waiting users with budget.
+
+        Throttled requests hold worker slots between their tokens; when they
+        hold every slot, a waiting request of a user with budget could never
+        be admitted. The adapter preempts the victims through upstream's own
+        preemption. Returns the users reclaimed from, which may not be
+        admitted again in this step.
+        """
+        num_free_active = self._num_free_active_slots(plan, slots)
+        num_free = self._num_free_slots(slots)
+        if num_free_active <= num_free:
+            return set()
+        admissible = self._admissible_waiting(waiting, num_free_active)
+        if sum(admissible.values()) <= num_free:
+            return set()
+        victims = self._pick_reclaim_victims(plan, admissible, num_free_active, num_free, step)
+        if not victims:
+            return set()
+        victim_ids = {id(r) for r in victims}
+        plan.throttled = [r for r in plan.throttled if id(r) not in victim_ids]
+        plan.victims = victims
+        stats = self.reclaim_stats
+        for victim in victims:
+            stats.num_reclaims += 1
+            stats.num_tokens_dropped += victim.num_computed_tokens
+            self._reclaimed.add(victim.request_id)
+        return {self.users[r.request_id] for r in victims}
+
+    def _admissible_waiting(self, waiting: tuple[WaitingLike, ...], limit: int) -> dict[str, int]:
+        """user -> how many of its waiting requests (up to ``limit`` in all) its
+        budget covers now, for users with budget. Costs O(users waiting)."""
+        num_available = self.limiter.num_available
+        admissible: dict[str, int] = {}
+        total = 0
+        for queue in waiting:
+            for user in queue.users():
+                num = num_available(user, min(limit, queue.num_requests_of(user)))
+                if num:
+                    admissible[user] = admissible.get(user, 0) + num
+                    total += num
+                    if total >= limit:
+                        return admissible
+        return admissible
+
+    def _pick_reclaim_victims(
+        self,
+        plan: StepPlan,
+        admissible: dict[str, int],
+        num_free_active: int,
+        num_free: int,
+        step: int,
+    ) -> list[RequestLike]:
+        """The throttled requests to reclaim so that ``admissible`` waiting
+        requests (user -> count) find worker slots.
+
+        From the user holding the most throttled resident requests; ties go to
+        the user whose budget returns last (it loses least by waiting in the
+        queue), then by user id so the choice is deterministic. Within a user,
+        the request with the fewest computed tokens (cheapest to recompute;
+        ties: the one that arrived last, as upstream's own preemption prefers).
+        A user reclaimed from is not admitted in this step, so its own waiting
+        requests never take a slot reclaimed from it: a user whose waiting
+        requests are the demand is not a victim for them. Never a request
+        re-admitted after a reclaim less than ``reclaim_cooldown_steps`` ago.
+        """
+        users = self.users
+        protected = self._reclaim_protected_until
+        # user -> its reclaimable throttled requests, cheapest last.
+        candidates: dict[str, list[RequestLike]] = {}
+        for request in plan.throttled:
+            if protected.get(request.request_id, 0) > step:
+                continue
+            candidates.setdefault(users[request.request_id], []).append(request)
+        for requests in candidates.values():
+            requests.sort(key=lambda r: (-r.num_computed_tokens, r.arrival_time))
+        ready_at = self.limiter.ready_at_ns
+        victims: list[RequestLike] = []
+        victim_users: set[str] = set()
+
+        def num_needed(excluded: set[str]) -> int:
+            demand = sum(n for u, n in admissible.items() if u not in excluded)
+            return min(demand, num_free_active) - num_free
+
+        while candidates and len(victims) < num_needed(victim_users):
+            user = max(candidates, key=lambda u: (len(candidates[u]), ready_at(u), u))
+            if user not in victim_users and len(victims) >= num_needed(victim_users | {user}):
+                del candidates[user]  # taking from it only removes its own demand
+                continue
+            requests = candidates[user]
+            victims.append(requests.pop())
+            victim_users.add(user)
+            if not requests:
+                del candidates[user]
+        return victims
+
+    def _note_refused(self, user: str, num_requests: int) -> None:
+        self.num_throttled[user] = self.num_throttled.get(user, 0) + num_requests
+        ready_at = self.limiter.ready_at_ns(user)
+        if self.wakeup_ns is None or ready_at < self.wakeup_ns:
+            self.wakeup_ns = ready_at
+
+    # ---- the single refund point ------------------------------------------
+
+    def settle(
+        self,
+        plan: StepPlan,
+        gate: AdmissionGate,
+        num_scheduled: Mapping[str, int],
+        step: int,
+    ) -> None:
+        """Refund every charged request that ended up not sampling this step.
+
+        ``num_scheduled`` is upstream's ``SchedulerOutput.num_scheduled_tokens``;
+        ``is_prefill_chunk`` has been updated by upstream for what it scheduled.
+        """
+        users = self.users
+        charged = plan.charged + list(gate.charged.values())
+        if num_scheduled.keys() >= set(map(_REQUEST_ID, charged)) and not any(
+            map(_IS_PREFILL_CHUNK, charged)
+        ):
+            unsampled = []  # the usual step: every charged request sampled
+        else:
+            unsampled = [
+                r for r in charged if r.request_id not in num_scheduled or r.is_prefill_chunk
+            ]
+        refund = self.limiter.refund
+        for request in unsampled:
+            refund(users[request.request_id])
+        if self._reclaimed:
+            self._protect_readmitted(gate, num_scheduled, step)
+        if self.count_granted:
+            self._count_granted(charged, unsampled)
+
+    def _protect_readmitted(
+        self, gate: AdmissionGate, num_scheduled: Mapping[str, int], step: int
+    ) -> None:
+        """Reclaimed requests admitted again are not reclaimed for a while (no thrashing)."""
+        for req_id in gate.charged:
+            if req_id in self._reclaimed and req_id in num_scheduled:
+                self._reclaimed.discard(req_id)
+                self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
+
+    def _count_granted(self, charged: list[RequestLike], unsampled: list[RequestLike]) -> None:
+        users = self.users
+        num_granted = self.num_granted
+        num_sampled = Counter([users[r.request_id] for r in charged])
+        num_sampled.subtract([users[r.request_id] for r in unsampled])
+        for user, num in num_sampled.items():
+            if num > 0:
+                num_granted[user] = num_granted.get(user, 0) + num
+
+    def take_usage(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(tokens granted, requests throttled) per user since the last call."""
+        usage = self.num_granted, self.num_throttled
+        self.num_granted, self.num_throttled = {}, {}
+        return usage
+
+    def cleanup(self, live: Container[str], step: int) -> None:
+        """Forget finished requests and idle users (``live``: request ids still known)."""
+        self.limiter.cleanup_idle_users()
+        users = self.users
+        for req_id in [r for r in users if r not in live]:
+            del users[req_id]
+        self._reclaimed = {r for r in self._reclaimed if r in live}
+        protected = self._reclaim_protected_until
+        for req_id in [r for r, until in protected.items() if until <= step or r not in live]:
+            del protected[req_id]
+        live_users = set(users.values())
+        for table in (self._last_served_req, self._last_slot_step):
+            for user in [u for u in table if u not in live_users]:
+                del table[user]

@@ -1,0 +1,120 @@
+"""The version gate and the patch table (engine_ext/vllm_compat.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine_ext import vllm_compat
+from engine_ext.plugin import register
+from engine_ext.vllm_compat import (
+    ALLOW_UNSUPPORTED_ENV,
+    BEAM_SEARCH_PATCHES,
+    PATCHED_MARK,
+    PATCHES,
+    Patch,
+    UnsupportedVllmError,
+)
+from tests.engine_ext.test_plugin import engine_config
+
+
+class Target:
+    """A stand-in owner for patches that need no vLLM."""
+
+    def greet(self) -> str:
+        return "hello"
+
+
+NUM_WRAPS = {"count": 0}
+
+
+def shout(original):
+    NUM_WRAPS["count"] += 1
+
+    def greet(self) -> str:
+        return original(self).upper()
+
+    return greet
+
+
+TARGET = f"{__name__}:Target"
+
+
+@pytest.fixture
+def other_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.33.1")
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
+
+
+def test_the_installed_vllm_is_the_supported_one() -> None:
+    assert vllm_compat.is_supported_vllm()
+    vllm_compat.check_vllm_version()
+
+
+def test_another_vllm_is_refused_with_the_supported_version_named(other_vllm: None) -> None:
+    with pytest.raises(UnsupportedVllmError) as refused:
+        vllm_compat.check_vllm_version()
+    message = str(refused.value)
+    assert "0.32.0" in message and "0.33.1" in message and ALLOW_UNSUPPORTED_ENV in message
+
+
+def test_a_limited_server_refuses_to_start_on_another_vllm(other_vllm: None) -> None:
+    with pytest.raises(UnsupportedVllmError, match=r"0\.32\.0"):
+        engine_config("--default-user-output-tokens-per-second", "5")
+    engine_config()  # without limit flags the plugin stays out of the way
+
+
+def test_the_override_runs_anyway_but_says_so(
+    other_vllm: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ALLOW_UNSUPPORTED_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.output_rate"):
+        vllm_compat.check_vllm_version()
+    assert any("UNSUPPORTED vLLM" in r.getMessage() for r in caplog.records)
+
+
+def test_a_patch_is_applied_once_however_often_it_is_asked(monkeypatch) -> None:
+    monkeypatch.setattr(Target, "greet", Target.greet)  # restored afterwards
+    patch = Patch(TARGET, "greet", f"{__name__}:shout")
+    before = NUM_WRAPS["count"]
+    assert vllm_compat.apply_patches([patch]) == ["Target.greet"]
+    assert vllm_compat.apply_patches([patch]) == []
+    assert vllm_compat.apply_patches([patch]) == []
+    assert NUM_WRAPS["count"] == before + 1
+    assert Target().greet() == "HELLO"
+
+
+def test_on_another_vllm_only_version_independent_patches_apply(
+    other_vllm: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Target, "greet", Target.greet)
+    internal = Patch(TARGET, "greet", f"{__name__}:shout")
+    assert vllm_compat.apply_patches([internal]) == []
+    assert Target().greet() == "hello"
+    public = Patch(TARGET, "greet", f"{__name__}:shout", any_version=True)
+    assert vllm_compat.apply_patches([public]) == ["Target.greet"]
+
+
+def test_a_missing_optional_target_warns_and_a_required_one_fails(caplog) -> None:
+    optional = Patch(TARGET, "no_such_method", f"{__name__}:shout", optional=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.output_rate"):
+        assert vllm_compat.apply_patches([optional]) == []
+    assert any("not found" in r.getMessage() for r in caplog.records)
+    with pytest.raises(AttributeError):
+        vllm_compat.apply_patches([Patch(TARGET, "no_such_method", f"{__name__}:shout")])
+
+
+def test_every_vllm_patch_is_in_place_exactly_once_after_repeated_registration() -> None:
+    register()
+    register()
+    register()
+    vllm_compat.apply_patches(BEAM_SEARCH_PATCHES)
+    vllm_compat.apply_patches(BEAM_SEARCH_PATCHES)
+    assert vllm_compat.apply_patches(PATCHES + BEAM_SEARCH_PATCHES) == []
+    for patch in PATCHES + BEAM_SEARCH_PATCHES:
+        installed = getattr(vllm_compat._resolve(patch.owner), patch.attribute)
+        installed = getattr(installed, "__func__", installed)
+        assert getattr(installed, PATCHED_MARK, False), patch.name
+        # Wrapped once: what it wraps is vLLM's own function.
+        assert not getattr(installed.__wrapped__, PATCHED_MARK, False), patch.name
