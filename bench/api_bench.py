@@ -31,7 +31,7 @@ import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
 
-from tests.e2e.servers import free_port
+from harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -7,7 +7,7 @@ Three servers run side by side in one run, started together:
   (default 1,000,000 tok/s) except the ``hog`` user (20 tok/s) and the
   accuracy users.
 - ``plugin-async``: the same with ``--async-scheduling`` (kept on on CPU by
-  tests/e2e/cpu_async_server.py).
+  harness/cpu_async_server.py).
 
 Measured:
 
@@ -38,8 +38,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.client import StreamResult, stream_completion, user_rate, wall_rate
-from tests.e2e.servers import VllmServer
+from harness.client import StreamResult, stream_completion, user_rate, wall_rate
+from harness.servers import VllmServer
 
 LIMITS = (20, 100, 300)
 STREAMS = (1, 4, 16)

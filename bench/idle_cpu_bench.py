@@ -43,8 +43,8 @@ import httpx
 import psutil
 
 from bench.e2e_bench import throughput
-from tests.e2e.client import stream_completion
-from tests.e2e.servers import Process, free_port, vllm_command, vllm_env
+from harness.client import stream_completion
+from harness.servers import Process, free_port, vllm_command, vllm_env
 
 FLAGS = (
     "--default-user-output-tokens-per-second",

@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.client import stream_completion
-from tests.e2e.servers import ROOT, TINY_MODEL, VllmServer, vllm_env
+from harness.client import stream_completion
+from harness.servers import ROOT, TINY_MODEL, VllmServer, vllm_env
 
 NUM_SLOTS = 16
 AGGRESSOR_LIMIT = 20

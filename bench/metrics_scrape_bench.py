@@ -116,7 +116,7 @@ def itl_totals(url: str) -> tuple[float, float]:
 
 async def one_run(url: str) -> float:
     """Mean engine-side step time of one unlimited stream (one token per step)."""
-    from tests.e2e.client import stream_completion
+    from harness.client import stream_completion
 
     before = itl_totals(url)
     async with httpx.AsyncClient(timeout=300) as client:
@@ -126,7 +126,7 @@ async def one_run(url: str) -> float:
 
 
 def server_runs(rounds: int) -> list[str]:
-    from tests.e2e.servers import VllmServer
+    from harness.servers import VllmServer
 
     tmp = Path(tempfile.mkdtemp(prefix="metrics-bench-"))
     server = VllmServer(

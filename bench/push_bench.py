@@ -39,7 +39,7 @@ from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
-from tests.e2e.servers import free_port
+from harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"

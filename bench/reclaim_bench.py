@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tests.engine_ext.sched_helpers import FakeClock, make_request, make_scheduler, runner_output
+from harness.scheduler import FakeClock, make_request, make_scheduler, runner_output
 
 NUM_SLOTS = 8
 COOLDOWNS = (0, 8, 32, 128)

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine_ext.planner import StepPlanner
 from engine_ext.scheduler import OutputRateMixin
-from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
+from harness.scheduler import make_request, make_scheduler, runner_output
 
 # (object, method) that run around upstream's schedule() in every step: the
 # planner's plan and settle, the adapter's application of the plan.

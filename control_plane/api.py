@@ -12,8 +12,12 @@ from control_plane import services
 from control_plane.auth import ReaderDep, WriterDep
 from control_plane.deps import DatabaseDep
 from control_plane.schemas import (
+    ENGINE_ID_PATTERN,
+    MAX_ENGINE_ID_LEN,
+    MAX_USER_ID_LEN,
     TIER_NAME_PATTERN,
     USER_ID_PATTERN,
+    AuditChanges,
     AuditList,
     BulkIn,
     BulkOut,
@@ -45,7 +49,10 @@ CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}
 
 router = APIRouter(responses=ERRORS)
 
-UserPath = Annotated[str, Path(min_length=1, max_length=256, pattern=USER_ID_PATTERN)]
+UserPath = Annotated[str, Path(min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)]
+EnginePath = Annotated[
+    str, Path(min_length=1, max_length=MAX_ENGINE_ID_LEN, pattern=ENGINE_ID_PATTERN)
+]
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
 
 
@@ -61,7 +68,7 @@ async def list_limits(
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     tier: Annotated[str | None, Query(pattern=TIER_NAME_PATTERN)] = None,
-    q: Annotated[str | None, Query(max_length=256, pattern=USER_ID_PATTERN)] = None,
+    q: Annotated[str | None, Query(max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)] = None,
     after: Annotated[
         str | None,
         Query(
@@ -156,8 +163,18 @@ async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) ->
 
 @router.get("/engines", response_model=EngineList)
 async def list_engines(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, Any]:
-    timeout_s = request.app.state.settings.engine_timeout_s
-    return await db.read(services.list_engines, timeout_s=timeout_s)
+    settings = request.app.state.settings
+    return await db.read(
+        services.list_engines,
+        timeout_s=settings.engine_timeout_s,
+        retention_s=settings.engine_retention_s,
+    )
+
+
+@router.delete("/engines/{engine_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_FOUND)
+async def delete_engine(engine_id: EnginePath, db: DatabaseDep, _: WriterDep) -> Response:
+    await db.write(services.delete_engine, engine_id=engine_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.get("/usage", response_model=UsageList)
@@ -167,9 +184,26 @@ async def usage(request: Request, db: DatabaseDep, _: ReaderDep) -> dict[str, An
 
 @router.get("/audit", response_model=AuditList)
 async def audit(
-    db: DatabaseDep, _: ReaderDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    db: DatabaseDep,
+    _: ReaderDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before_id: Annotated[
+        int | None,
+        Query(ge=1, le=2**31 - 1, description="Cursor: next_before_id of the previous page"),
+    ] = None,
 ) -> dict[str, Any]:
-    return {"items": await db.scan(services.list_audit, limit=limit)}
+    return await db.scan(services.list_audit, limit=limit, before_id=before_id)
+
+
+@router.get("/audit/{entry_id}/changes", response_model=AuditChanges, responses=NOT_FOUND)
+async def audit_changes(
+    entry_id: Annotated[int, Path(ge=1, le=2**31 - 1)],
+    db: DatabaseDep,
+    _: ReaderDep,
+    after: Annotated[str | None, Query(max_length=MAX_USER_ID_LEN + 16)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    return await db.scan(services.audit_changes, entry_id=entry_id, after=after, limit=limit)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

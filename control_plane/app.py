@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane import __version__
 from control_plane.api import router
 from control_plane.db import Database, make_engine
+from control_plane.edge import EdgeGuard
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.metrics import install_metrics
 from control_plane.settings import Settings
@@ -62,7 +63,6 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     app.state.insecure_no_auth = insecure_no_auth
     app.state.db = Database(make_engine(settings.database_url))
     app.state.usage_source = NoUsage()
-    app.state.logger = logger
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)
@@ -94,6 +94,8 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
         )
 
     app.include_router(router)
+    # Inside the metrics middleware, so refused requests are counted too.
+    app.add_middleware(EdgeGuard)
     install_metrics(app)
 
     if (UI_DIR / "index.html").exists():

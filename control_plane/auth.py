@@ -1,16 +1,22 @@
-"""Bearer tokens: the admin token (settings) writes; viewer tokens only read."""
+"""Bearer tokens: the admin token (settings) writes; viewer tokens only read.
+
+`authenticate` is the one check. The edge guard (control_plane/edge.py) runs it before a
+request body is read and leaves the principal in the request state; the route
+dependencies below reuse it, or run it for requests without a body.
+"""
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 
 from control_plane import services
-from control_plane.db import Database
-from control_plane.deps import DatabaseDep
+
+# Where the edge guard leaves the principal (scope["state"], i.e. request.state).
+PRINCIPAL_KEY = "output_rate_principal"
 
 
 @dataclass(frozen=True)
@@ -19,27 +25,27 @@ class Principal:
     can_write: bool
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+def _bearer(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def _authenticate(request: Request, db: Database) -> Principal:
-    if request.app.state.insecure_no_auth:
+async def authenticate(app_state: Any, authorization: str) -> Principal:
+    """The principal of an Authorization header value; HTTPException 401 if none."""
+    if app_state.insecure_no_auth:
         return Principal("anonymous-admin", can_write=True)
-    token = _bearer(request)
+    token = _bearer(authorization)
     if token is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing bearer token (Authorization header)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    admin = request.app.state.settings.admin_token
+    admin = app_state.settings.admin_token
     if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
         return Principal("admin", can_write=True)
     # Only viewer tokens touch the database.
-    viewer = await db.read(services.viewer_token_name, token=token)
+    viewer = await app_state.db.read(services.viewer_token_name, token=token)
     if viewer is not None:
         return Principal(f"viewer:{viewer}", can_write=False)
     raise HTTPException(
@@ -47,15 +53,25 @@ async def _authenticate(request: Request, db: Database) -> Principal:
     )
 
 
-async def reader(request: Request, db: DatabaseDep) -> Principal:
-    return await _authenticate(request, db)
-
-
-async def writer(request: Request, db: DatabaseDep) -> Principal:
-    principal = await _authenticate(request, db)
+def check_can_write(principal: Principal) -> Principal:
     if not principal.can_write:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "viewer tokens may only read")
     return principal
+
+
+async def _principal(request: Request) -> Principal:
+    known: Principal | None = getattr(request.state, PRINCIPAL_KEY, None)
+    if known is not None:
+        return known
+    return await authenticate(request.app.state, request.headers.get("authorization", ""))
+
+
+async def reader(request: Request) -> Principal:
+    return await _principal(request)
+
+
+async def writer(request: Request) -> Principal:
+    return check_can_write(await _principal(request))
 
 
 ReaderDep = Annotated[Principal, Depends(reader)]

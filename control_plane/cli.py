@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from control_plane import __version__
-from control_plane.settings import Settings
+from control_plane.settings import Settings, settings_errors
 
 # Shipped inside the package; the checkout's alembic.ini points here too.
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -120,10 +120,24 @@ def start_push_server(app: FastAPI, settings: Settings) -> Any:
 
 
 def keys(args: argparse.Namespace) -> int:
-    from control_plane.push.keys import run
+    from control_plane.push.keys import KeysExist, run
 
-    print(run(out_dir=args.out, num_engines=args.engines), end="")
+    try:
+        print(run(out_dir=args.out, num_engines=args.engines, force=args.force), end="")
+    except KeysExist as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port 1..65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 1..65535, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="migrate to head, then serve API, UI, ZMQ")
     serve_parser.add_argument("--host", default=None)
-    serve_parser.add_argument("--port", type=int, default=None)
+    serve_parser.add_argument("--port", type=port, default=None)
     serve_parser.add_argument(
         "--insecure-no-auth", action="store_true", help="serve without authentication (unsafe)"
     )
@@ -150,9 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="write <out>/control-plane.env, engine-N.env"
     )
     keys_parser.add_argument("--engines", type=int, default=1, help="engine key pairs to make")
+    keys_parser.add_argument(
+        "--force", action="store_true", help="replace existing key files under --out"
+    )
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return keys(args)
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValueError as e:  # pydantic's ValidationError: one line per bad variable
+        for line in settings_errors(e):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return serve(args, settings)
     if args.command == "db":
@@ -161,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             downgrade(settings.database_url, args.revision)
         return 0
-    return keys(args)
+    raise AssertionError(args.command)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from engine_ext.ids import MAX_ENGINE_ID_LEN, MAX_MODEL_LEN, MAX_TIER_NAME_LEN, MAX_USER_ID_LEN
+from engine_ext.rates import MAX_RATE, MIN_RATE
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -28,9 +31,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-MAX_USER_ID_LEN = 256
-MAX_TIER_NAME_LEN = 64
-MAX_RATE = 1_000_000
 
 
 def utcnow() -> datetime:
@@ -66,7 +66,7 @@ def _bytewise(length: int) -> String:
 
 
 def _rate_check(column: str) -> str:
-    return f"{column} IS NULL OR ({column} >= 1 AND {column} <= {MAX_RATE})"
+    return f"{column} IS NULL OR ({column} >= {MIN_RATE} AND {column} <= {MAX_RATE})"
 
 
 class Base(DeclarativeBase):
@@ -163,8 +163,8 @@ class Engine(Base):
 
     __tablename__ = "engines"
 
-    engine_id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    model: Mapped[str] = mapped_column(String(512), default="")
+    engine_id: Mapped[str] = mapped_column(String(MAX_ENGINE_ID_LEN), primary_key=True)
+    model: Mapped[str] = mapped_column(String(MAX_MODEL_LEN), default="")
     applied_version: Mapped[int] = mapped_column(Integer, default=0)
     connected: Mapped[bool] = mapped_column(default=False)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

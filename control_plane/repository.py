@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
+import msgspec
 from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
 
 from control_plane.models import (
@@ -23,6 +24,7 @@ from control_plane.models import (
     UserLimit,
     ViewerToken,
 )
+from engine_ext import protocol as p
 
 CONFIG_ROW_ID = 1
 
@@ -344,8 +346,10 @@ _INSERT_CHANGE = insert(config_changes)
 _INSERT_AUDIT = insert(audit_log)
 
 
-def add_change(conn: Connection, *, version: int, ops: list[dict[str, Any]]) -> None:
-    conn.execute(_INSERT_CHANGE, {"version": version, "ops": ops, "at": datetime.now(UTC)})
+def add_change(conn: Connection, *, version: int, ops: list[p.Op]) -> None:
+    """The change-log row of ``version``: its ops as the wire protocol's JSON."""
+    rows = msgspec.to_builtins(ops)
+    conn.execute(_INSERT_CHANGE, {"version": version, "ops": rows, "at": datetime.now(UTC)})
 
 
 def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -381,8 +385,15 @@ def add_audit(
     )
 
 
-def list_audit(conn: Connection, *, limit: int) -> Sequence[Row[Any]]:
-    return conn.execute(select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)).all()
+def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> Sequence[Row[Any]]:
+    query = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
+    if before_id is not None:
+        query = query.where(audit_log.c.id < before_id)
+    return conn.execute(query).all()
+
+
+def get_audit(conn: Connection, entry_id: int) -> Row[Any] | None:
+    return conn.execute(select(audit_log).where(audit_log.c.id == entry_id)).first()
 
 
 # ---- viewer tokens -------------------------------------------------------------
@@ -474,3 +485,13 @@ def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
     conn.execute(statement)
+
+
+def delete_engines_seen_before(conn: Connection, cutoff: datetime) -> int:
+    result = conn.execute(delete(engines).where(engines.c.last_seen < cutoff))
+    return int(result.rowcount or 0)
+
+
+def delete_engine(conn: Connection, engine_id: str) -> bool:
+    result = conn.execute(delete(engines).where(engines.c.engine_id == engine_id))
+    return bool(result.rowcount)

@@ -7,15 +7,27 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_RATE = 1_000_000
-USER_ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
-TIER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+from engine_ext.ids import (
+    ENGINE_ID_PATTERN,
+    MAX_ENGINE_ID_LEN,
+    MAX_USER_ID_LEN,
+    TIER_NAME_PATTERN,
+    USER_ID_PATTERN,
+)
+from engine_ext.rates import MAX_RATE, MIN_RATE
+
+__all__ = ["ENGINE_ID_PATTERN", "MAX_ENGINE_ID_LEN", "TIER_NAME_PATTERN", "USER_ID_PATTERN"]
+
+# Viewer token names: free text on one line.
+TOKEN_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 # Free text: tabs and line breaks are fine, other control characters (NUL!) are not.
 TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
 
-Rate = Annotated[int, Field(strict=True, ge=1, le=MAX_RATE)]
+Rate = Annotated[int, Field(strict=True, ge=MIN_RATE, le=MAX_RATE)]
 TierName = Annotated[str, Field(strict=True, pattern=TIER_NAME_PATTERN)]
-UserId = Annotated[str, Field(strict=True, min_length=1, max_length=256, pattern=USER_ID_PATTERN)]
+UserId = Annotated[
+    str, Field(strict=True, min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)
+]
 
 
 class _Body(BaseModel):
@@ -47,7 +59,9 @@ class DefaultIn(_Body):
 
 
 class TokenIn(_Body):
-    name: Annotated[str, Field(strict=True, min_length=1, max_length=128, pattern=USER_ID_PATTERN)]
+    name: Annotated[
+        str, Field(strict=True, min_length=1, max_length=128, pattern=TOKEN_NAME_PATTERN)
+    ]
 
 
 # ---- responses (documented in OpenAPI, checked by the fuzz test) -------------
@@ -108,6 +122,7 @@ class UsageList(BaseModel):
 
 
 class AuditOut(BaseModel):
+    id: int
     at: datetime
     version: int
     actor: str
@@ -115,10 +130,28 @@ class AuditOut(BaseModel):
     target: str
     before: Any
     after: Any
+    truncated: bool = Field(
+        False, description="before/after too large to inline: GET /audit/{id}/changes"
+    )
 
 
 class AuditList(BaseModel):
     items: list[AuditOut]
+    next_before_id: int | None = None
+
+
+class AuditChange(BaseModel):
+    target: str
+    before: Any
+    after: Any
+
+
+class AuditChanges(BaseModel):
+    id: int
+    version: int
+    action: str
+    items: list[AuditChange]
+    next_after: str | None
 
 
 class TokenCreated(BaseModel):

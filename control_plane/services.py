@@ -8,11 +8,12 @@ it); the caller commits."""
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection
@@ -21,8 +22,13 @@ from control_plane import repository as repo
 from control_plane.db import mark_new_version
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.repository import State, UserRecord
+from engine_ext import protocol as p
+from engine_ext.limits import effective_rate
 
 MAX_BULK_ITEMS = 10_000
+# GET /audit: a page is at most about this big; larger before/after are paged apart.
+MAX_AUDIT_PAGE_BYTES = 1024 * 1024
+MAX_AUDIT_INLINE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,7 @@ def limit_view(
     """`tier_rate` is the rate of the record's tier (ignored without one)."""
     tier = record.tier if record else None
     override = record.rate if record else None
-    effective: int | None
-    if override is not None:
-        effective, source = override, "override"
-    elif tier is not None:
-        effective, source = tier_rate, "tier"
-    else:
-        effective, source = default_rate, "default"
+    effective, source = effective_rate(override, tier, tier_rate, default_rate)
     return {
         "user": user,
         "tier": tier,
@@ -155,12 +155,11 @@ def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | N
         record = records.get(user)
         if record is None:
             result[user] = state.default_rate
-        elif record.rate is not None:
-            result[user] = record.rate
-        elif record.tier is not None:
-            result[user] = rates.get(record.tier)
         else:
-            result[user] = state.default_rate
+            tier_rate = rates.get(record.tier) if record.tier else None
+            result[user] = effective_rate(record.rate, record.tier, tier_rate, state.default_rate)[
+                0
+            ]
     return result
 
 
@@ -218,7 +217,7 @@ def _record(
     target: str,
     before: Any,
     after: Any,
-    ops: list[dict[str, Any]],
+    ops: list[p.Op],
     new_users: int = 0,
 ) -> int:
     """The new version: bumped once, with its change-log row and its audit entry."""
@@ -276,7 +275,7 @@ def put_limit(
             target=user,
             before=before,
             after=after,
-            ops=[{"op": "set_user", "user": user, "tier": tier, "rate": rate}],
+            ops=[p.SetUser(user=user, tier=tier, rate=rate)],
             new_users=0 if record else 1,
         )
         new_record = UserRecord(tier, rate, version)
@@ -308,7 +307,7 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> None:
         target=user,
         before=_user_record(record),
         after=None,
-        ops=[{"op": "delete_user", "user": user}],
+        ops=[p.DeleteUser(user=user)],
         new_users=-1,
     )
     repo.delete_user(conn, user)
@@ -355,7 +354,7 @@ def bulk_put_limits(
         # One entry for one version, with every changed user's record before and after.
         before={u: _user_record(existing.get(u)) for u, _, _ in changed},
         after={u: {"tier": t, "output_tokens_per_second": r} for u, r, t in changed},
-        ops=[{"op": "set_user", "user": u, "tier": t, "rate": r} for u, r, t in changed],
+        ops=[p.SetUser(user=u, tier=t, rate=r) for u, r, t in changed],
         new_users=num_new,
     )
     repo.insert_users(
@@ -393,7 +392,7 @@ def put_tier(
         target=name,
         before=before,
         after=after,
-        ops=[{"op": "set_tier", "name": name, "rate": rate}],
+        ops=[p.SetTier(name=name, rate=rate)],
     )
     if tier is None:
         repo.insert_tier(conn, name=name, rate=rate, description=new_description, version=version)
@@ -420,7 +419,7 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
         target=name,
         before={"output_tokens_per_second": tier.rate, "description": tier.description},
         after=None,
-        ops=[{"op": "delete_tier", "name": name}],
+        ops=[p.DeleteTier(name=name)],
     )
     repo.delete_tier(conn, name)
 
@@ -437,25 +436,73 @@ def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, 
         target="default",
         before={"output_tokens_per_second": state.default_rate},
         after={"output_tokens_per_second": rate},
-        ops=[{"op": "set_default", "rate": rate}],
+        ops=[p.SetDefault(rate=rate)],
     )
     repo.set_default_rate(conn, rate)
     return {"output_tokens_per_second": rate, "version": version}
 
 
-def list_audit(conn: Connection, *, limit: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "at": e.at.isoformat(),
-            "version": e.version,
-            "actor": e.actor,
-            "action": e.action,
-            "target": e.target,
-            "before": e.before,
-            "after": e.after,
-        }
-        for e in repo.list_audit(conn, limit=limit)
-    ]
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def list_audit(conn: Connection, *, limit: int, before_id: int | None = None) -> dict[str, Any]:
+    """Newest first, at most `limit` entries and about MAX_AUDIT_PAGE_BYTES (at least one
+    entry). An entry whose before/after are over MAX_AUDIT_INLINE_BYTES (a large bulk
+    change) comes with `truncated: true` and null before/after: read them page by page
+    with `audit_changes`. `next_before_id` continues the listing (null: the end)."""
+    items: list[dict[str, Any]] = []
+    size = 0
+    rows = repo.list_audit(conn, limit=limit, before_id=before_id)
+    for e in rows:
+        entry_size = _json_size(e.before) + _json_size(e.after)
+        truncated = entry_size > MAX_AUDIT_INLINE_BYTES
+        if items and size + min(entry_size, MAX_AUDIT_INLINE_BYTES) > MAX_AUDIT_PAGE_BYTES:
+            break
+        size += min(entry_size, MAX_AUDIT_INLINE_BYTES)
+        items.append(
+            {
+                "id": e.id,
+                "at": e.at.isoformat(),
+                "version": e.version,
+                "actor": e.actor,
+                "action": e.action,
+                "target": e.target,
+                "before": None if truncated else e.before,
+                "after": None if truncated else e.after,
+                "truncated": truncated,
+            }
+        )
+    more = len(items) < len(rows) or len(rows) == limit
+    return {"items": items, "next_before_id": items[-1]["id"] if items and more else None}
+
+
+def audit_changes(
+    conn: Connection, *, entry_id: int, after: str | None, limit: int
+) -> dict[str, Any]:
+    """One audit entry's before/after, per target, in target order, a page at a time.
+
+    A bulk entry's before/after map each user to its record; any other entry is one
+    item for its target. `next_after` continues (null: the end)."""
+    e = repo.get_audit(conn, entry_id)
+    if e is None:
+        raise NotFound(f"audit entry {entry_id} does not exist", field="entry_id")
+    if e.action == "bulk_put_limits" and isinstance(e.after, dict):
+        before = e.before if isinstance(e.before, dict) else {}
+        targets = sorted(set(before) | set(e.after))
+        changes = [(t, before.get(t), e.after.get(t)) for t in targets]
+    else:
+        changes = [(e.target, e.before, e.after)]
+    if after is not None:
+        changes = [c for c in changes if c[0] > after]
+    page = changes[:limit]
+    return {
+        "id": e.id,
+        "version": e.version,
+        "action": e.action,
+        "items": [{"target": t, "before": b, "after": a} for t, b, a in page],
+        "next_after": page[-1][0] if len(changes) > limit else None,
+    }
 
 
 # ---- tokens ----------------------------------------------------------------
@@ -514,7 +561,10 @@ def viewer_token_name(conn: Connection, *, token: str) -> str | None:
 # ---- engines ---------------------------------------------------------------
 
 
-def list_engines(conn: Connection, *, timeout_s: float) -> dict[str, Any]:
+def list_engines(
+    conn: Connection, *, timeout_s: float, retention_s: float = float("inf")
+) -> dict[str, Any]:
+    """Engines seen within `retention_s` (older rows are deleted by the push server)."""
     now = datetime.now(UTC)
     items = [
         {
@@ -526,8 +576,20 @@ def list_engines(conn: Connection, *, timeout_s: float) -> dict[str, Any]:
             "first_seen": e.first_seen.isoformat(),
         }
         for e in repo.list_engines(conn)
+        if (now - e.last_seen).total_seconds() <= retention_s
     ]
     return {"version": current_version(conn), "items": items}
+
+
+def forget_engines(conn: Connection, *, retention_s: float) -> int:
+    """Delete the rows of engines not seen for `retention_s`; how many went."""
+    return repo.delete_engines_seen_before(conn, datetime.now(UTC) - timedelta(seconds=retention_s))
+
+
+def delete_engine(conn: Connection, *, engine_id: str) -> None:
+    """Forget an engine's row (it comes back if that engine is still connected)."""
+    if not repo.delete_engine(conn, engine_id):
+        raise NotFound(f"engine {engine_id!r} is not known", field="engine_id")
 
 
 def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:

@@ -1,31 +1,161 @@
-"""The control plane's settings: environment variables prefixed OUTPUT_RATE_, or .env."""
+"""The control plane's settings: environment variables prefixed OUTPUT_RATE_, or .env.
+
+Every value is checked here, at startup: a bad one stops `output-rate serve` with a
+message naming its variable (docs/control-plane.md, "Settings")."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+import logging
+from typing import Annotated, Any
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine_ext.protocol import HEARTBEAT_INTERVAL_S
+
+logger = logging.getLogger("control_plane")
+
+ENV_PREFIX = "OUTPUT_RATE_"
+# Shorter admin tokens are refused; tokens under the recommended length are warned about.
+MIN_ADMIN_TOKEN_LEN = 8
+RECOMMENDED_ADMIN_TOKEN_LEN = 16
+# An engine is shown disconnected after this many heartbeats missed, at the least.
+MIN_TIMEOUT_HEARTBEATS = 1.5
+
+
+def variable(field: str) -> str:
+    return ENV_PREFIX + field.upper()
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="OUTPUT_RATE_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
 
     database_url: str = "sqlite:///./output_rate.db"
     host: str = "127.0.0.1"
-    port: int = 8700
+    port: Annotated[int, Field(ge=1, le=65535)] = 8700
     zmq_endpoint: str = "tcp://127.0.0.1:5557"
     admin_token: SecretStr | None = None
     # CURVE keys (Z85) of the push endpoint, from `output-rate keys`; unset = plain TCP.
+    # The public key is optional; when given it must be the secret key's.
     zmq_secret_key: SecretStr | None = None
     zmq_public_key: str | None = None
-    # Comma-separated CURVE public keys of the engines allowed to connect (from
-    # `output-rate keys`); empty = any engine that knows the server's public key.
+    # Engine keys admitted, each with the engine ids it may claim:
+    # KEY=engine-1|engine-1b,KEY2=engine-2 (a bare KEY may claim any id); from
+    # `output-rate keys`. Empty = any engine that knows the server's public key.
     zmq_client_keys: str = ""
     # Seconds without a heartbeat before an engine is shown as disconnected.
     engine_timeout_s: float = 5.0
+    # Seconds after its last heartbeat an engine is dropped from GET /engines.
+    engine_retention_s: float = 24 * 3600.0
+
+    @field_validator("admin_token")
+    @classmethod
+    def _admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        token = value.get_secret_value()
+        name = variable("admin_token")
+        if not token.strip():
+            raise ValueError(f"{name} is empty: nobody could write (unset it or set a token)")
+        if token != token.strip():
+            raise ValueError(f"{name} has surrounding spaces, which no client sends (remove them)")
+        if len(token) < MIN_ADMIN_TOKEN_LEN:
+            raise ValueError(
+                f"{name} is {len(token)} characters; at least {MIN_ADMIN_TOKEN_LEN} "
+                f"(use e.g. `openssl rand -hex 24`)"
+            )
+        if len(token) < RECOMMENDED_ADMIN_TOKEN_LEN:
+            logger.warning(
+                "%s is only %d characters; use at least %d random characters",
+                name,
+                len(token),
+                RECOMMENDED_ADMIN_TOKEN_LEN,
+            )
+        return value
+
+    @field_validator("zmq_secret_key")
+    @classmethod
+    def _secret_key(cls, value: SecretStr | None) -> SecretStr | None:
+        from control_plane.push.keys import check_z85_key
+
+        if value is not None:
+            check_z85_key(value.get_secret_value(), variable=variable("zmq_secret_key"))
+        return value
+
+    @field_validator("zmq_public_key")
+    @classmethod
+    def _public_key(cls, value: str | None) -> str | None:
+        from control_plane.push.keys import check_z85_key
+
+        if value is not None and value != "":
+            check_z85_key(value, variable=variable("zmq_public_key"))
+        return value or None
+
+    @field_validator("zmq_client_keys")
+    @classmethod
+    def _client_keys(cls, value: str) -> str:
+        from control_plane.push.keys import parse_allow_list
+
+        parse_allow_list(value, variable=variable("zmq_client_keys"))
+        return value
+
+    @field_validator("engine_timeout_s")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        least = MIN_TIMEOUT_HEARTBEATS * HEARTBEAT_INTERVAL_S
+        if not value >= least:
+            raise ValueError(
+                f"{variable('engine_timeout_s')}={value} is at or near the "
+                f"{HEARTBEAT_INTERVAL_S} s heartbeat: every engine would flap; at least {least}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        secret = self.zmq_secret_key
+        if self.zmq_public_key is not None:
+            if secret is None:
+                raise ValueError(
+                    f"{variable('zmq_public_key')} is set without {variable('zmq_secret_key')}"
+                )
+            import zmq
+
+            derived = zmq.curve_public(secret.get_secret_value().encode()).decode()
+            if derived != self.zmq_public_key:
+                raise ValueError(
+                    f"{variable('zmq_public_key')} is not the public key of "
+                    f"{variable('zmq_secret_key')} (that is {derived}); they are not one pair"
+                )
+        if self.zmq_client_keys.strip() and secret is None:
+            raise ValueError(
+                f"{variable('zmq_client_keys')} needs {variable('zmq_secret_key')}: without "
+                "CURVE no engine key is checked"
+            )
+        if not self.engine_retention_s >= self.engine_timeout_s:
+            raise ValueError(
+                f"{variable('engine_retention_s')} must be at least "
+                f"{variable('engine_timeout_s')} ({self.engine_timeout_s})"
+            )
+        return self
+
+    def allowed_engine_keys(self) -> dict[str, Any]:
+        """OUTPUT_RATE_ZMQ_CLIENT_KEYS parsed: key -> engine ids it may claim (None: any)."""
+        from control_plane.push.keys import parse_allow_list
+
+        return dict(parse_allow_list(self.zmq_client_keys))
 
 
-@lru_cache
-def get_settings() -> Settings:
-    return Settings()
+def settings_errors(error: Exception) -> list[str]:
+    """One line per bad setting (pydantic's ValidationError), naming its variable."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return [str(error)]
+    lines = []
+    for e in error.errors():
+        message = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        loc = e.get("loc", ())
+        if loc and not message.startswith(ENV_PREFIX):
+            message = f"{variable(str(loc[0]))}: {message}"
+        lines.append(message)
+    return lines

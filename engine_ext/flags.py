@@ -7,10 +7,9 @@ import json
 from typing import Any
 
 from engine_ext.config import OutputRateConfig
-from engine_ext.limiter import validate_rate
+from engine_ext.ids import check_engine_id, check_user_id
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
-
-MAX_USER_ID_LEN = 256
+from engine_ext.rates import MAX_RATE, validate_rate
 
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {
@@ -32,7 +31,7 @@ def parse_rate(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be an integer 1..1000000 or 'unlimited', got {text!r}"
+            f"must be an integer 1..{MAX_RATE} or 'unlimited', got {text!r}"
         ) from None
     try:
         return validate_rate(value, field="rate")
@@ -40,14 +39,11 @@ def parse_rate(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def check_user_id(user: object) -> str:
-    if not isinstance(user, str) or not user:
-        raise ValueError(f"user ids must be non-empty strings, got {user!r}")
-    if len(user) > MAX_USER_ID_LEN:
-        raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {user[:40]!r}...")
-    if any(ord(c) < 32 or ord(c) == 127 for c in user):
-        raise ValueError(f"user id {user!r} contains control characters")
-    return user
+def parse_engine_id(text: str) -> str:
+    try:
+        return check_engine_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -134,8 +130,10 @@ def add_flags(parser: Any) -> None:
     )
     group.add_argument(
         FLAGS["output_rate_engine_id"],
+        type=parse_engine_id,
         default=None,
-        help="Name of this engine in the control plane (default: host:port).",
+        help="Name of this engine in the control plane (default: host:port); 1-256 "
+        "letters, digits and . _ - : @ [ ].",
     )
     group.add_argument(
         FLAGS["control_plane_public_key"],
@@ -171,6 +169,10 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         host = getattr(args, "host", None) or "0.0.0.0"
         port = getattr(args, "port", None)
         engine_id = f"{host}:{port}" if port else host
+    try:
+        check_engine_id(engine_id)
+    except ValueError as e:
+        raise ValueError(f"{FLAGS['output_rate_engine_id']}: {e}") from None
     return OutputRateConfig(
         default_rate=getattr(args, "default_user_output_tokens_per_second", None),
         user_rates=dict(getattr(args, "user_output_tokens_per_second", None) or {}),

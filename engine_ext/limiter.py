@@ -18,22 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from engine_ext.rates import validate_rate
+
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000
-MIN_RATE = 1
-MAX_RATE = 1_000_000
 ANONYMOUS_USER = "__anonymous__"
-
-
-def validate_rate(rate: object, *, field: str = "rate") -> int | None:
-    """Return ``rate`` if it is a valid limit (int in range, or None = unlimited)."""
-    if rate is None:
-        return None
-    if isinstance(rate, bool) or not isinstance(rate, int):
-        raise TypeError(f"{field} must be an integer or null, got {type(rate).__name__}")
-    if not MIN_RATE <= rate <= MAX_RATE:
-        raise ValueError(f"{field} must be between {MIN_RATE} and {MAX_RATE} tokens/s, got {rate}")
-    return rate
 
 
 class _UserState:

@@ -21,11 +21,19 @@ from typing import Annotated
 
 import msgspec
 
+from engine_ext import ids
+from engine_ext.rates import MAX_RATE, MIN_RATE
+
 # Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Engines only send small messages (usage reports of at most MAX_USAGE_USERS users).
 MAX_ENGINE_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_USAGE_USERS = 20_000
+# What one engine can produce: output tokens granted per second, and request-steps
+# refused a token per second, over all its users (100x an H200's decode rate). A usage
+# report claiming more for its interval is refused whole.
+MAX_ENGINE_TOKENS_PER_S = 1_000_000
+MAX_ENGINE_STEPS_PER_S = 1_000_000
 HEARTBEAT_INTERVAL_S = 1.0
 # The engine treats the server as gone after this long without any frame.
 SERVER_SILENCE_S = 3.5
@@ -40,10 +48,21 @@ HEARTBEAT = 5
 USAGE = 6
 RESYNC = 7
 
-Rate = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None
+Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+# What engines send is checked against the shared id rules (engine_ext/ids.py); what
+# the server sends came from the database, which the REST API already checked.
+EngineId = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=ids.MAX_ENGINE_ID_LEN, pattern=ids.ENGINE_ID_PATTERN),
+]
+ModelName = Annotated[str, msgspec.Meta(max_length=ids.MAX_MODEL_LEN, pattern=ids.MODEL_PATTERN)]
+UserId = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=ids.MAX_USER_ID_LEN, pattern=ids.USER_ID_PATTERN),
+]
 
 
 # ---- the ops of a delta (the rows of config_changes.ops) ----------------------
@@ -79,8 +98,8 @@ Op = SetUser | DeleteUser | SetTier | DeleteTier | SetDefault
 
 
 class Hello(msgspec.Struct, frozen=True):
-    engine_id: Name
-    model: str
+    engine_id: EngineId
+    model: ModelName
     version: Version
 
 
@@ -98,29 +117,29 @@ class Delta(msgspec.Struct, frozen=True):
 
 
 class Ack(msgspec.Struct, frozen=True):
-    engine_id: Name
+    engine_id: EngineId
     version: Version
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
     # Server: the last version it sent this engine. Engine: the version it applied.
     version: Version
-    # Set by engines, so a restarted server can tell who is talking.
-    engine_id: str = ""
-    model: str = ""
+    # Set by engines, so a restarted server can tell who is talking ("" from the server).
+    engine_id: Annotated[str, msgspec.Meta(max_length=ids.MAX_ENGINE_ID_LEN)] = ""
+    model: ModelName = ""
 
 
 class Usage(msgspec.Struct, frozen=True):
-    engine_id: Name
+    engine_id: EngineId
     # Seconds the counts cover (measured by the engine).
     interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
     # user -> output tokens granted / request-steps refused a token, in the interval
-    granted: dict[Name, Count]
-    throttled: dict[Name, Count]
+    granted: dict[UserId, Count]
+    throttled: dict[UserId, Count]
 
 
 class Resync(msgspec.Struct, frozen=True):
-    engine_id: Name
+    engine_id: EngineId
     version: Version
 
 
@@ -159,11 +178,26 @@ def decode(frame: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         message: Message = decoder.decode(memoryview(frame)[1:])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"{TYPES[frame[0]].__name__}: {e}") from None
-    if isinstance(message, Usage) and len(message.granted) + len(message.throttled) > (
-        2 * MAX_USAGE_USERS
-    ):
-        raise ProtocolError("usage report names too many users")
+    if isinstance(message, Usage):
+        check_usage_bounds(message)
+    elif isinstance(message, Heartbeat) and message.engine_id:
+        try:
+            ids.check_engine_id(message.engine_id)
+        except ValueError as e:
+            raise ProtocolError(f"Heartbeat: {e}") from None
     return message
+
+
+def check_usage_bounds(report: Usage) -> None:
+    """A report names at most MAX_USAGE_USERS users in each map, and claims no more than
+    one engine can produce in its interval."""
+    if len(report.granted) > MAX_USAGE_USERS or len(report.throttled) > MAX_USAGE_USERS:
+        raise ProtocolError(f"usage report names too many users (over {MAX_USAGE_USERS} in a map)")
+    # +1: an engine's first tokens may land in a very short first interval.
+    if sum(report.granted.values()) > MAX_ENGINE_TOKENS_PER_S * report.interval_s + 1:
+        raise ProtocolError("usage report grants more tokens than one engine can produce")
+    if sum(report.throttled.values()) > MAX_ENGINE_STEPS_PER_S * report.interval_s + 1:
+        raise ProtocolError("usage report refuses more steps than one engine can make")
 
 
 def ops_from_rows(rows: list[dict[str, object]]) -> list[Op]:

@@ -18,6 +18,7 @@ and the IO thread encodes and sends them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 import zmq
 
 from engine_ext import protocol as p
+from engine_ext.ids import is_user_id
 from engine_ext.limiter import OutputRateLimiter
+from engine_ext.limits import LimitTable
 from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
@@ -37,85 +40,11 @@ logger = logging.getLogger("vllm.output_rate." + __name__)
 MAX_RESYNC_WAIT_S = 30.0
 
 
-class LimitTable:
-    """The control plane's model (default, tiers, users), flattened into limiter calls.
-
-    It keeps the tier and user tables because one op can change many users'
-    effective rates (a tier's new rate applies to every user of that tier).
-    """
-
-    def __init__(self) -> None:
-        self.default_rate: int | None = None
-        self.tiers: dict[str, int | None] = {}
-        # user -> (tier, override)
-        self.users: dict[str, tuple[str | None, int | None]] = {}
-        # tier -> users assigned to it
-        self.members: dict[str, set[str]] = {}
-
-    def effective_user_rates(self) -> dict[str, int | None]:
-        """Per-user limiter rates; users with neither tier nor override get the default."""
-        rates: dict[str, int | None] = {}
-        tiers = self.tiers
-        for user, (tier, override) in self.users.items():
-            if override is not None:
-                rates[user] = override
-            elif tier is not None:
-                rates[user] = tiers.get(tier)
-        return rates
-
-    @classmethod
-    def from_snapshot(cls, snapshot: p.Snapshot) -> LimitTable:
-        table = cls()
-        table.default_rate = snapshot.default_rate
-        table.tiers = dict(snapshot.tiers)
-        table.users = dict(snapshot.users)
-        for user, (tier, _) in table.users.items():
-            if tier is not None:
-                table.members.setdefault(tier, set()).add(user)
-        return table
-
-    def load(self, snapshot: p.Snapshot, limiter: OutputRateLimiter) -> None:
-        """Take the snapshot's state and hand it to the limiter as a whole."""
-        table = LimitTable.from_snapshot(snapshot)
-        self.default_rate, self.tiers = table.default_rate, table.tiers
-        self.users, self.members = table.users, table.members
-        limiter.replace_all(self.default_rate, self.effective_user_rates())
-
-    def apply(self, op: p.Op, limiter: OutputRateLimiter) -> None:
-        if isinstance(op, p.SetUser):
-            self._forget_user(op.user)
-            self.users[op.user] = (op.tier, op.rate)
-            if op.tier is not None:
-                self.members.setdefault(op.tier, set()).add(op.user)
-            self._sync_user(op.user, limiter)
-        elif isinstance(op, p.DeleteUser):
-            self._forget_user(op.user)
-            limiter.clear_rate(op.user)
-        elif isinstance(op, p.SetTier):
-            self.tiers[op.name] = op.rate
-            for user in self.members.get(op.name, ()):
-                self._sync_user(user, limiter)
-        elif isinstance(op, p.DeleteTier):
-            self.tiers.pop(op.name, None)
-            for user in self.members.pop(op.name, set()):
-                self._sync_user(user, limiter)
-        else:
-            self.default_rate = op.rate
-            limiter.set_default_rate(op.rate)
-
-    def _forget_user(self, user: str) -> None:
-        old = self.users.pop(user, None)
-        if old is not None and old[0] is not None:
-            self.members.get(old[0], set()).discard(user)
-
-    def _sync_user(self, user: str, limiter: OutputRateLimiter) -> None:
-        tier, override = self.users.get(user, (None, None))
-        if override is not None:
-            limiter.set_rate(user, override)
-        elif tier is not None:
-            limiter.set_rate(user, self.tiers.get(tier))
-        else:
-            limiter.clear_rate(user)
+def _reportable(counts: dict[str, int]) -> dict[str, int]:
+    if len(counts) <= p.MAX_USAGE_USERS and all(map(is_user_id, counts)):
+        return counts
+    valid = ((user, n) for user, n in counts.items() if is_user_id(user))
+    return dict(itertools.islice(valid, p.MAX_USAGE_USERS))
 
 
 @dataclass(frozen=True)
@@ -252,10 +181,16 @@ class PushClient:
         self._last_usage_at = now
         if not granted and not throttled:
             return
-        if len(granted) + len(throttled) > 2 * p.MAX_USAGE_USERS:
-            granted = dict(list(granted.items())[: p.MAX_USAGE_USERS])
-            throttled = dict(list(throttled.items())[: p.MAX_USAGE_USERS])
-        self._send(p.Usage(self.engine_id, interval, granted, throttled))
+        # What the server would refuse whole: names that are no user id (a request's
+        # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
+        granted, throttled = _reportable(granted), _reportable(throttled)
+        # Counts over one engine's bound mean the interval was measured too short.
+        interval = max(
+            interval,
+            sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
+            sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
+        )
+        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
 
     def _install(self, snapshot: _PreparedSnapshot, limiter: OutputRateLimiter) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).

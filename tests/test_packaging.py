@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.servers import free_port, wait_healthy
 from scripts import build_ui
-from tests.e2e.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "packaging"

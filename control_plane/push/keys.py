@@ -13,8 +13,70 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils import z85
 
+from engine_ext.ids import check_engine_id
 from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV
+
+Z85_KEY_LEN = 40
+# Engine ids a key may claim, per key; None: any engine id.
+AllowList = dict[str, frozenset[str] | None]
+
+
+def check_z85_key(value: str, *, variable: str) -> str:
+    """A CURVE key in Z85 (40 characters, 32 bytes), or ValueError naming the variable."""
+    hint = ""
+    if value[:1] in "'\"" or value[-1:] in "'\"":
+        hint = " (the quotes are part of the value: remove them)"
+    elif value != value.strip():
+        hint = " (it has surrounding spaces)"
+    if len(value) != Z85_KEY_LEN:
+        raise ValueError(
+            f"{variable}: a CURVE key is {Z85_KEY_LEN} Z85 characters, got {len(value)}{hint}"
+        )
+    try:
+        decoded = z85.decode(value.encode("ascii"))
+    except Exception:  # z85.decode raises various errors for bad input
+        decoded = b""
+    if len(decoded) != 32:
+        raise ValueError(f"{variable}: {value[:6]}... is not a Z85-encoded key{hint}")
+    return value
+
+
+def parse_allow_list(text: str, *, variable: str = "OUTPUT_RATE_ZMQ_CLIENT_KEYS") -> AllowList:
+    """``KEY[=ID[|ID...]],...``: the engine public keys admitted, each with the engine ids
+    it may claim (a bare KEY may claim any id). Whitespace around entries is ignored;
+    anything else that is not a key or an engine id is an error naming the variable."""
+    allowed: AllowList = {}
+    for number, raw in enumerate(text.split(","), 1):
+        entry = raw.strip()
+        if not entry:
+            if text.strip():
+                raise ValueError(f"{variable}: entry {number} is empty (a stray comma?)")
+            continue
+        if any(c in entry for c in "'\"") or any(c.isspace() for c in entry):
+            raise ValueError(
+                f"{variable}: entry {number} contains quotes or spaces (quotes are part of "
+                "the value in an env file or a systemd unit: remove them)"
+            )
+        key, rest = entry[:Z85_KEY_LEN], entry[Z85_KEY_LEN:]
+        if rest and not rest.startswith("="):
+            raise ValueError(
+                f"{variable}: entry {number} is not KEY or KEY=engine-id: a key has "
+                f"{Z85_KEY_LEN} characters, this entry {len(entry)} and no '=' after them"
+            )
+        check_z85_key(key, variable=f"{variable} entry {number}")
+        ids: frozenset[str] | None = None
+        if rest:
+            try:
+                ids = frozenset(check_engine_id(i) for i in rest[1:].split("|"))
+            except ValueError as e:
+                raise ValueError(f"{variable}: entry {number}: {e}") from None
+        if key in allowed:
+            known = allowed[key]
+            ids = None if known is None or ids is None else known | ids
+        allowed[key] = ids
+    return allowed
 
 
 @dataclass(frozen=True)
@@ -28,11 +90,18 @@ class KeyPair:
         return cls(public=public.decode(), secret=secret.decode())
 
 
+def engine_id(number: int) -> str:
+    """The engine id key pair `number` (1-based) is bound to in the allow-list."""
+    return f"engine-{number}"
+
+
 def control_plane_env(server: KeyPair, engines: list[KeyPair]) -> str:
+    # Each engine key may claim only its own engine id (--output-rate-engine-id engine-N).
+    allowed = ",".join(f"{e.public}={engine_id(i)}" for i, e in enumerate(engines, 1))
     return (
         f"OUTPUT_RATE_ZMQ_SECRET_KEY='{server.secret}'\n"
         f"OUTPUT_RATE_ZMQ_PUBLIC_KEY='{server.public}'\n"
-        f"OUTPUT_RATE_ZMQ_CLIENT_KEYS='{','.join(e.public for e in engines)}'\n"
+        f"OUTPUT_RATE_ZMQ_CLIENT_KEYS='{allowed}'\n"
     )
 
 
@@ -40,14 +109,22 @@ def engine_env(engine: KeyPair) -> str:
     return f"{ENGINE_SECRET_KEY_ENV}='{engine.secret}'\n"
 
 
+class KeysExist(Exception):
+    """`keys --out` would overwrite key files (the old keys would be lost)."""
+
+
 def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_EXCL: never overwrite a key file (checked for all files first; this is the guard
+    # against a race).
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
 
-def run(*, out_dir: Path | None, num_engines: int) -> str:
-    """Make the keys; write them under out_dir (mode 0600) or return them all as text."""
+def run(*, out_dir: Path | None, num_engines: int, force: bool = False) -> str:
+    """Make the keys; write them under out_dir (mode 0600) or return them all as text.
+
+    Existing key files are never overwritten unless ``force`` (KeysExist names them)."""
     server = KeyPair.new()
     engines = [KeyPair.new() for _ in range(num_engines)]
     # Z85 has shell metacharacters but no single quote.
@@ -56,19 +133,28 @@ def run(*, out_dir: Path | None, num_engines: int) -> str:
         lines = ["# control plane (environment or .env of `output-rate serve`)"]
         lines.append(control_plane_env(server, engines).rstrip())
         for i, engine in enumerate(engines, 1):
-            lines.append(f"# engine {i}: environment of the vLLM server")
+            lines.append(
+                f"# engine {i}: environment of the vLLM server "
+                f"(--output-rate-engine-id {engine_id(i)})"
+            )
             lines.append(engine_env(engine).rstrip())
         lines.append(f"# every engine's vLLM flag: {flag}")
         return "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "control-plane.env"]
-    _write_private(written[0], control_plane_env(server, engines))
+    files = {out_dir / "control-plane.env": control_plane_env(server, engines)}
     for i, engine in enumerate(engines, 1):
-        path = out_dir / f"engine-{i}.env"
-        _write_private(path, engine_env(engine))
-        written.append(path)
+        files[out_dir / f"{engine_id(i)}.env"] = engine_env(engine)
+    existing = [path for path in files if path.exists()]
+    if existing and not force:
+        raise KeysExist(
+            "refusing to overwrite " + ", ".join(map(str, existing)) + " (--force replaces them)"
+        )
+    for path, text in files.items():
+        if force:
+            path.unlink(missing_ok=True)
+        _write_private(path, text)
     return (
-        "wrote " + ", ".join(str(p) for p in written) + "\n"
+        "wrote " + ", ".join(str(p) for p in files) + "\n"
         f"server public key: {server.public}\n"
-        f"every engine's vLLM flag: {flag}\n"
+        f"every engine's vLLM flag: {flag} --output-rate-engine-id engine-N\n"
     )

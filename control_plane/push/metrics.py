@@ -36,6 +36,18 @@ class PushCollector(Collector):
         )
         dropped.add_metric([], self._server.num_dropped)
         yield dropped
+        refused = CounterMetricFamily(
+            "output_rate_push_snapshots_refused",
+            "HELLO/RESYNC left unanswered: that connection got a snapshot within the last second",
+        )
+        refused.add_metric([], self._server.num_snapshots_refused)
+        yield refused
+        left_out = CounterMetricFamily(
+            "output_rate_usage_users_left_out",
+            "Users of usage reports left out: /usage already tracks its maximum of users",
+        )
+        left_out.add_metric([], self._server.usage.num_users_left_out)
+        yield left_out
         rate = GaugeMetricFamily(
             "output_rate_user_output_tokens_per_second",
             "Output tokens/s per user over the last 10 s, summed over engines",

@@ -12,6 +12,13 @@ Security: with a secret key the endpoint is a CURVE server; engines must know
 its public key. With ``client_public_keys`` a ZAP handler admits only those
 engine keys; a peer with another key completes no handshake, so it neither
 reads limits nor reports anything.
+
+Trust (docs/live-push.md, "Trust model"): a connection (ROUTER identity) is bound
+to one engine id by its first HELLO (or, after a server restart, its first
+HEARTBEAT/RESYNC). The bind is refused, and logged, when the id is held by
+another live connection, or when the connection's CURVE key is listed with other
+engine ids. ACK, HEARTBEAT and USAGE count only from a bound connection under its
+own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -37,8 +44,50 @@ logger = logging.getLogger(__name__)
 
 # Engine status rows are written at most this often (batched).
 STATUS_FLUSH_INTERVAL_S = 0.2
-# At most one snapshot per engine this often on RESYNC (below the engines' retry period).
-RESYNC_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
+# At most one snapshot per connection this often, whatever asks for it (HELLO, RESYNC,
+# a pruned change log); below the engines' retry period.
+SNAPSHOT_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
+RESYNC_MIN_INTERVAL_S = SNAPSHOT_MIN_INTERVAL_S
+# Engine messages handled before the loop publishes and beats again.
+MAX_MESSAGES_PER_DRAIN = 1000
+# Connections bound to an engine at once; more are refused (each holds a snapshot's
+# worth of socket buffer while it reads).
+MAX_PEERS = 1024
+# Malformed or refused engine messages: the first of each kind is logged, then one
+# summary line per this interval with the counts.
+DROP_LOG_INTERVAL_S = 60.0
+# Engine rows not seen for the retention are deleted this often.
+RETENTION_SWEEP_INTERVAL_S = 60.0
+
+
+class DropLog:
+    """Counts dropped engine messages by reason; logs the first of each reason at once
+    and then one summary per interval (a flood of bad frames is not a flood of lines)."""
+
+    def __init__(self, interval_s: float = DROP_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.total = 0
+        self._seen: set[str] = set()
+        self._pending: dict[str, int] = {}
+        self._next_summary = 0.0
+
+    def note(self, reason: str, detail: str = "") -> None:
+        self.total += 1
+        if reason not in self._seen:
+            self._seen.add(reason)
+            shown = f" ({detail})" if detail else ""
+            logger.warning("dropped an engine message: %s%s", reason, shown)
+            return
+        self._pending[reason] = self._pending.get(reason, 0) + 1
+
+    def flush(self, now: float) -> None:
+        if now < self._next_summary:
+            return
+        self._next_summary = now + self.interval_s
+        if self._pending:
+            counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self._pending.items()))
+            logger.warning("dropped engine messages in the last %.0fs: %s", self.interval_s, counts)
+            self._pending.clear()
 
 
 @dataclass
@@ -47,6 +96,8 @@ class Peer:
 
     engine_id: str
     model: str = ""
+    # Z85 CURVE public key of the connection (None on plain TCP).
+    key: str | None = None
     # The last version sent to it (snapshot or delta) and the last it applied.
     sent_version: int = -1
     applied_version: int = 0
@@ -56,13 +107,14 @@ class Peer:
 
 
 class _AllowedKeys:
-    """ZAP credentials provider: admits only the listed engine public keys."""
+    """ZAP credentials provider: admits the listed engine public keys (None: any key).
+    The authenticator then labels each message with its key (the User-Id property)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self.keys = {k.strip().encode() for k in keys if k.strip()}
+    def __init__(self, keys: Iterable[str] | None) -> None:
+        self.keys = None if keys is None else {k.encode() for k in keys}
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        return self.keys is None or key in self.keys
 
 
 class PushServer:
@@ -72,22 +124,37 @@ class PushServer:
         endpoint: str,
         db: Database,
         secret_key: str | None = None,
-        client_public_keys: Iterable[str] | None = None,
+        client_public_keys: Iterable[str] | Mapping[str, frozenset[str] | None] | None = None,
         engine_timeout_s: float = 5.0,
+        engine_retention_s: float = 24 * 3600.0,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
         poll_interval_s: float = 1.0,
     ) -> None:
         self.endpoint = endpoint
         self._db = db
         self._secret_key = secret_key
-        self._client_keys = None if client_public_keys is None else list(client_public_keys)
+        # key -> engine ids it may claim (None: any); None: every key is admitted.
+        self._client_keys: dict[str, frozenset[str] | None] | None
+        if client_public_keys is None:
+            self._client_keys = None
+        elif isinstance(client_public_keys, Mapping):
+            self._client_keys = dict(client_public_keys)
+        else:
+            self._client_keys = dict.fromkeys(client_public_keys)
         self._engine_timeout_s = engine_timeout_s
+        self._engine_retention_s = engine_retention_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._poll_interval_s = poll_interval_s
         self.usage = UsageBook()
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
         self.peers: dict[bytes, Peer] = {}
-        self.num_dropped = 0
+        # engine id -> the identity bound to it
+        self._owners: dict[str, bytes] = {}
+        self.drops = DropLog()
+        self.num_snapshots = 0
+        # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
+        self.num_snapshots_refused = 0
+        self._next_sweep = 0.0
         self._context = zmq.Context()
         self._authenticator: Any = None
         self._wake_address = f"inproc://output-rate-wake-{id(self)}"
@@ -97,14 +164,21 @@ class PushServer:
         self._wake_sender: zmq.Socket | None = None
         self._dirty: set[bytes] = set()
         self._last_flush = 0.0
+        # The newest change-log version _publish has sent out (written by the
+        # IO thread, read by notify() on any thread: an int, read atomically).
+        self._published_version = 0
         # (version, encoded snapshot): engines connecting together share one read.
         self._snapshot_cache: tuple[int, bytes] | None = None
+
+    @property
+    def num_dropped(self) -> int:
+        return self.drops.total
 
     @classmethod
     def for_app(cls, app: Any, settings: Any) -> PushServer:
         """The server `output-rate serve` runs, wired to the app's commits and /usage."""
         secret = settings.zmq_secret_key.get_secret_value() if settings.zmq_secret_key else None
-        client_keys = [k for k in (settings.zmq_client_keys or "").split(",") if k.strip()]
+        client_keys = settings.allowed_engine_keys()
         if secret is None:
             logger.warning(
                 "!!! OUTPUT_RATE_ZMQ_SECRET_KEY is not set: the push endpoint %s is plain TCP; "
@@ -114,7 +188,21 @@ class PushServer:
         elif not client_keys:
             logger.warning(
                 "OUTPUT_RATE_ZMQ_CLIENT_KEYS is empty: any engine that knows the server's "
-                "public key may connect and read limits"
+                "public key may connect, read limits and claim any engine id"
+            )
+        else:
+            unbound = [key for key, ids in client_keys.items() if ids is None]
+            if unbound:
+                logger.warning(
+                    "OUTPUT_RATE_ZMQ_CLIENT_KEYS: %d key(s) may claim any engine id (%s); "
+                    "bind each to its engines with KEY=engine-id",
+                    len(unbound),
+                    ", ".join(k[:8] + "..." for k in unbound),
+                )
+        if secret is not None:
+            logger.info(
+                "engines connect with --control-plane-public-key '%s'",
+                zmq.curve_public(secret.encode()).decode(),
             )
         server = cls(
             endpoint=settings.zmq_endpoint,
@@ -122,6 +210,7 @@ class PushServer:
             secret_key=secret,
             client_public_keys=client_keys or None,
             engine_timeout_s=settings.engine_timeout_s,
+            engine_retention_s=settings.engine_retention_s,
         )
         app.state.db.on_commit.append(server.notify)
         app.state.usage_source = server.usage
@@ -135,13 +224,18 @@ class PushServer:
     # ---- lifecycle (any thread) -------------------------------------------
 
     def start(self) -> None:
-        if self._secret_key is not None and self._client_keys is not None:
+        if self._secret_key is not None:
+            # Always a ZAP handler with CURVE: it admits the listed keys (or any) and
+            # labels every message with its key, which binds engine ids to keys.
             from zmq.auth.thread import ThreadAuthenticator
 
             self._authenticator = ThreadAuthenticator(self._context)
             self._authenticator.start()
             self._authenticator.configure_curve_callback(
-                domain="*", credentials_provider=_AllowedKeys(self._client_keys)
+                domain="*",
+                credentials_provider=_AllowedKeys(
+                    None if self._client_keys is None else self._client_keys.keys()
+                ),
             )
         router = make_socket(
             self._context,
@@ -168,7 +262,9 @@ class PushServer:
         )
 
     def notify(self, version: int) -> None:
-        """Called after a write committed (any thread): publish it now."""
+        """Called after a write committed (any thread): publish ``version`` now."""
+        if version <= self._published_version:
+            return  # already sent (a later write's wake-up carried it)
         with self._wake_lock:
             if self._wake_sender is not None:
                 # Again: a wake-up is already pending.
@@ -225,63 +321,107 @@ class PushServer:
             wake.close(linger=0)
 
     def _drain(self, router: zmq.Socket) -> None:
-        while True:
+        # Bounded: a peer that never stops sending must not starve publishing and beats.
+        for _ in range(MAX_MESSAGES_PER_DRAIN):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
-                self.num_dropped += 1
+                self.drops.note("not one frame")
                 continue
-            identity, frame = frames
+            identity, frame = frames[0].bytes, frames[1]
             try:
-                message = p.decode(frame, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
+                message = p.decode(frame.bytes, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
             except p.ProtocolError as e:
-                self.num_dropped += 1
-                logger.warning("dropped a bad message from an engine: %s", e)
+                self.drops.note("malformed", str(e)[:200])
                 continue
-            self._handle(router, identity, message)
+            key = frame.get("User-Id") if self._secret_key is not None else None
+            self._handle(router, identity, message, str(key) if key else None)
 
-    def _handle(self, router: zmq.Socket, identity: bytes, message: p.Message) -> None:
+    def _handle(
+        self, router: zmq.Socket, identity: bytes, message: p.Message, key: str | None = None
+    ) -> None:
+        now = time.monotonic()
         peer = self.peers.get(identity)
-        if isinstance(message, p.Hello):
-            peer = self.peers[identity] = Peer(engine_id=message.engine_id, model=message.model)
-            self._send_snapshot(router, identity, peer)
-        elif isinstance(message, p.Heartbeat | p.Resync) and peer is None:
-            # An engine we do not know (this server restarted; its socket reconnected
-            # without a HELLO): it starts over with a snapshot.
-            if not message.engine_id:
-                self.num_dropped += 1
-                return
-            model = message.model if isinstance(message, p.Heartbeat) else ""
-            peer = self.peers[identity] = Peer(engine_id=message.engine_id, model=model)
-            self._send_snapshot(router, identity, peer)
-        elif peer is None:
-            if not isinstance(message, p.Usage | p.Ack):
-                self.num_dropped += 1
-                return
-            if isinstance(message, p.Usage):
-                self.usage.add(message)
+        if isinstance(message, p.Snapshot | p.Delta):
+            self.drops.note("server-only message from an engine")
             return
-        elif isinstance(message, p.Resync):
-            # Resyncs queued in an engine's socket while we were down arrive in a burst:
-            # one snapshot answers them all (an engine that missed it asks again later).
-            if time.monotonic() - peer.last_snapshot_at >= RESYNC_MIN_INTERVAL_S:
+        if peer is None:
+            # HELLO binds a connection; so does a HEARTBEAT or RESYNC from a connection
+            # we do not know (this server restarted; the engine's socket redialled
+            # without a HELLO). Anything else from an unbound connection counts for nothing.
+            if not isinstance(message, p.Hello | p.Heartbeat | p.Resync) or not message.engine_id:
+                self.drops.note("message from a connection that said no HELLO")
+                return
+            model = message.model if isinstance(message, p.Hello | p.Heartbeat) else ""
+            peer = self._bind(identity, message.engine_id, model, key, now)
+            if peer is not None:
                 self._send_snapshot(router, identity, peer)
-        elif isinstance(message, p.Ack):
-            if message.version <= peer.sent_version:
-                peer.applied_version = message.version
-        elif isinstance(message, p.Heartbeat):
+            return
+        claimed = getattr(message, "engine_id", peer.engine_id) or peer.engine_id
+        if claimed != peer.engine_id:
+            self.drops.note(
+                "engine id other than the connection's",
+                f"{peer.engine_id!r} sent {type(message).__name__} as {claimed!r}",
+            )
+            return
+        if isinstance(message, p.Hello | p.Resync):
+            # A repeated HELLO or queued RESYNCs (after our restart they arrive in a
+            # burst): one snapshot per SNAPSHOT_MIN_INTERVAL_S answers them all; an
+            # engine that missed it asks again later.
+            if isinstance(message, p.Hello) and message.model:
+                peer.model = message.model
+            if now - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S:
+                self._send_snapshot(router, identity, peer)
+            else:
+                self.num_snapshots_refused += 1
+        elif isinstance(message, p.Ack | p.Heartbeat):
             # An engine's heartbeat restates what it applied (a lost ack is harmless).
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
-        elif isinstance(message, p.Usage):
-            self.usage.add(message)
         else:
-            self.num_dropped += 1
-            return
-        peer.last_seen = time.monotonic()
+            assert isinstance(message, p.Usage)
+            self.usage.add(message, engine_id=peer.engine_id)
+        peer.last_seen = now
         self._dirty.add(identity)
+
+    def _bind(
+        self, identity: bytes, engine_id: str, model: str, key: str | None, now: float
+    ) -> Peer | None:
+        """Bind a new connection to engine_id, or refuse (logged, counted)."""
+        if self._secret_key is not None and self._client_keys is not None:
+            allowed = self._client_keys.get(key or "")
+            if key not in self._client_keys or (allowed is not None and engine_id not in allowed):
+                self.drops.note(
+                    "engine key may not claim that engine id",
+                    f"key {(key or '?')[:8]}... claimed {engine_id!r}",
+                )
+                return None
+        owner = self._owners.get(engine_id)
+        holder = self.peers.get(owner) if owner is not None else None
+        if holder is not None and owner != identity:
+            if now - holder.last_seen <= self._engine_timeout_s:
+                self.drops.note(
+                    "engine id already bound to another live connection", repr(engine_id)
+                )
+                return None
+            self._forget(owner)  # type: ignore[arg-type]
+        if len(self.peers) >= MAX_PEERS:
+            self.drops.note("too many connections", f"at most {MAX_PEERS}")
+            return None
+        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, key=key)
+        peer.last_seen = now
+        self._owners[engine_id] = identity
+        self._dirty.add(identity)
+        return peer
+
+    def _forget(self, identity: bytes) -> Peer | None:
+        peer = self.peers.pop(identity, None)
+        self._dirty.discard(identity)
+        if peer is not None and self._owners.get(peer.engine_id) == identity:
+            del self._owners[peer.engine_id]
+        return peer
 
     def _snapshot_frame(self) -> tuple[int, bytes]:
         cached = self._snapshot_cache
@@ -295,6 +435,7 @@ class PushServer:
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
         version, frame = self._snapshot_frame()
         self._send(router, identity, frame)
+        self.num_snapshots += 1
         peer.sent_version = version
         peer.last_snapshot_at = time.monotonic()
 
@@ -313,13 +454,19 @@ class PushServer:
                 logger.exception("config change %d cannot be sent", version)
                 break
         newest = changes[-1][0]
+        if len(frames) == len(changes):
+            self._published_version = max(self._published_version, newest)
         for identity, peer in list(self.peers.items()):
             if peer.sent_version + 1 in frames:
                 while peer.sent_version + 1 in frames:
                     self._send(router, identity, frames[peer.sent_version + 1])
                     peer.sent_version += 1
-            elif peer.sent_version < newest:
-                # Its next version is not in the log (pruned, or unsendable): start over.
+            elif (
+                peer.sent_version < newest
+                and time.monotonic() - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S
+            ):
+                # Its next version is not in the log (pruned, or unsendable): start over
+                # (within the snapshot rate limit; the next poll tries again).
                 self._send_snapshot(router, identity, peer)
 
     def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> None:
@@ -331,18 +478,21 @@ class PushServer:
     def _beat(self, router: zmq.Socket, now: float) -> None:
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > self._engine_timeout_s:
-                del self.peers[identity]
-                self._dirty.discard(identity)
-                if not any(other.engine_id == peer.engine_id for other in self.peers.values()):
+                self._forget(identity)
+                if peer.engine_id not in self._owners:
                     self._set_disconnected(peer.engine_id)
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
             self._send(router, identity, p.encode(p.Heartbeat(peer.sent_version)))
+        self.drops.flush(now)
+        if now >= self._next_sweep:
+            self._next_sweep = now + RETENTION_SWEEP_INTERVAL_S
+            self._db.write_now(services.forget_engines, retention_s=self._engine_retention_s)
 
     # ---- engine status in the database ------------------------------------
 
     def _flush_status(self) -> None:
-        # One row per engine_id: the last peer seen under an id wins.
+        # One row per engine_id (one connection per engine id).
         seen = {
             peer.engine_id: services.EngineSeen(
                 engine_id=peer.engine_id,
@@ -353,8 +503,20 @@ class PushServer:
             for peer in (self.peers.get(identity) for identity in self._dirty)
             if peer is not None
         }
-        self._db.write_now(services.record_engines, seen=list(seen.values()))
         self._dirty.clear()
+        try:
+            self._db.write_now(services.record_engines, seen=list(seen.values()))
+        except Exception:
+            # One row the database refuses must not keep every other engine's row stale:
+            # write them one by one and let go of the engines whose row fails.
+            for engine in seen.values():
+                try:
+                    self._db.write_now(services.record_engines, seen=[engine])
+                except Exception as e:
+                    self.drops.note("engine status row refused by the database", str(e)[:200])
+                    owner = self._owners.get(engine.engine_id)
+                    if owner is not None:
+                        self._forget(owner)
 
     def _set_disconnected(self, engine_id: str) -> None:
         self._db.write_now(services.disconnect_engines, engine_ids=[engine_id])

@@ -4,6 +4,13 @@ Each engine reports, about once a second, the output tokens it granted and the
 request-steps it refused per user, with the interval the counts cover. A
 user's rate is summed over engines; each engine's share is its counts over the
 time its reports cover inside the window.
+
+Bounds (docs/live-push.md, "Trust model"): only bound connections report, under their
+own engine id; each report is checked by the protocol (at most MAX_USAGE_USERS users
+per map, no more tokens or steps than one engine makes in its interval, user ids by the
+REST rules); the book keeps at most MAX_REPORTS_PER_ENGINE reports per engine and
+MAX_TRACKED_USERS distinct users (a report's new users beyond that are left out and
+counted), so GET /usage and /metrics stay bounded whatever engines send.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from engine_ext import protocol as p
 
 WINDOW_S = 10.0
 SHORT_WINDOW_S = 1.0
+# Engines report about once a second: twice that in the window is plenty.
+MAX_REPORTS_PER_ENGINE = int(2 * WINDOW_S / p.HEARTBEAT_INTERVAL_S)
+MAX_TRACKED_USERS = 50_000
 
 
 @dataclass(frozen=True)
@@ -40,19 +50,54 @@ class UsageBook:
         self._reports: dict[str, deque[tuple[float, p.Usage]]] = {}
         # engine id -> when its last report arrived (kept past the window; /metrics)
         self._last_report_at: dict[str, float] = {}
+        # user -> number of stored reports naming it
+        self._users: dict[str, int] = {}
+        self.num_users_left_out = 0
 
-    def add(self, report: p.Usage) -> None:
+    def add(self, report: p.Usage, *, engine_id: str | None = None) -> None:
+        """Store a report under `engine_id` (the connection's bound id; default: the
+        report's own, for callers that checked it)."""
         now = self._clock()
         with self._lock:
-            self._last_report_at[report.engine_id] = now
-            reports = self._reports.setdefault(report.engine_id, deque())
-            reports.append((now, report))
             self._expire(now)
+            self._last_report_at[engine_id or report.engine_id] = now
+            report = self._admit(report)
+            reports = self._reports.setdefault(engine_id or report.engine_id, deque())
+            reports.append((now, report))
+            self._count(report, +1)
+            while len(reports) > MAX_REPORTS_PER_ENGINE:
+                self._count(reports.popleft()[1], -1)
+
+    def _admit(self, report: p.Usage) -> p.Usage:
+        """The report without the new users that would take the book over its bound."""
+        users = self._users
+        room = MAX_TRACKED_USERS - len(users)
+        new = {u for u in (*report.granted, *report.throttled) if u not in users}
+        if len(new) <= room:
+            return report
+        keep = set(sorted(new)[:room])
+        self.num_users_left_out += len(new) - len(keep)
+
+        def kept(counts: dict[str, int]) -> dict[str, int]:
+            return {u: n for u, n in counts.items() if u in users or u in keep}
+
+        return p.Usage(
+            report.engine_id, report.interval_s, kept(report.granted), kept(report.throttled)
+        )
+
+    def _count(self, report: p.Usage, step: int) -> None:
+        users = self._users
+        for user in {*report.granted, *report.throttled}:
+            n = users.get(user, 0) + step
+            if n > 0:
+                users[user] = n
+            else:
+                users.pop(user, None)
 
     def _expire(self, now: float) -> None:
         for engine_id, reports in list(self._reports.items()):
             while reports and reports[0][0] < now - WINDOW_S:
-                reports.popleft()
+                self._count(reports.popleft()[1], -1)
             if not reports:
                 del self._reports[engine_id]
 

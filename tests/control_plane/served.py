@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from harness.servers import free_port, wait_healthy
 from tests.control_plane.factories import ADMIN_TOKEN
-from tests.e2e.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -25,6 +25,7 @@ class Served:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    zmq_endpoint: str = ""
 
     def client(self, **kwargs: object) -> httpx.Client:
         return httpx.Client(
@@ -36,13 +37,21 @@ class Served:
 
 
 @contextmanager
-def serve(db_url: str, workdir: Path, *, extra_args: tuple[str, ...] = ()) -> Iterator[Served]:
+def serve(
+    db_url: str,
+    workdir: Path,
+    *,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[Served]:
     port = free_port()
+    zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
     env = {
         **os.environ,
         "OUTPUT_RATE_DATABASE_URL": db_url,
         "OUTPUT_RATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "OUTPUT_RATE_ZMQ_ENDPOINT": zmq_endpoint,
+        **(env or {}),
     }
     log = workdir / f"serve-{port}.log"
     with log.open("wb") as out:
@@ -53,7 +62,9 @@ def serve(db_url: str, workdir: Path, *, extra_args: tuple[str, ...] = ()) -> It
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    served = Served(url=f"http://127.0.0.1:{port}", process=process, log=log)
+    served = Served(
+        url=f"http://127.0.0.1:{port}", process=process, log=log, zmq_endpoint=zmq_endpoint
+    )
     try:
         wait_healthy(f"{served.url}/healthz", process, log, timeout_s=START_TIMEOUT_S)
         yield served

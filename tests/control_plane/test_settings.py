@@ -28,3 +28,104 @@ def test_defaults_env_and_dotenv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert settings.admin_token is not None
     assert settings.admin_token.get_secret_value() == "from-dotenv"
     assert "from-dotenv" not in repr(settings)
+
+
+def _keys() -> tuple[str, str]:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def _bad_settings() -> list[tuple[dict[str, str], str]]:
+    server_public, server_secret = _keys()
+    engine_public, _ = _keys()
+    other_public, _ = _keys()
+    curve = {"OUTPUT_RATE_ZMQ_SECRET_KEY": server_secret}
+    keys = "OUTPUT_RATE_ZMQ_CLIENT_KEYS"
+    return [
+        ({**curve, keys: f"'{engine_public}'"}, keys),
+        ({**curve, keys: f"{engine_public} {other_public}"}, keys),
+        ({**curve, keys: engine_public[:-1]}, keys),
+        ({**curve, keys: engine_public[:-1] + "~"}, keys),
+        ({**curve, keys: f"{engine_public}=engine one"}, keys),
+        ({**curve, keys: f"{engine_public},,{other_public}"}, keys),
+        ({keys: engine_public}, keys),  # no CURVE: no key is ever checked
+        ({"OUTPUT_RATE_ENGINE_TIMEOUT_S": "1.0"}, "OUTPUT_RATE_ENGINE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_ENGINE_TIMEOUT_S": "0.5"}, "OUTPUT_RATE_ENGINE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_PORT": "99999"}, "OUTPUT_RATE_PORT"),
+        ({"OUTPUT_RATE_PORT": "0"}, "OUTPUT_RATE_PORT"),
+        ({"OUTPUT_RATE_ZMQ_SECRET_KEY": "not-a-key"}, "OUTPUT_RATE_ZMQ_SECRET_KEY"),
+        ({"OUTPUT_RATE_ZMQ_SECRET_KEY": server_secret[:-1] + "~"}, "OUTPUT_RATE_ZMQ_SECRET_KEY"),
+        ({**curve, "OUTPUT_RATE_ZMQ_PUBLIC_KEY": other_public}, "OUTPUT_RATE_ZMQ_PUBLIC_KEY"),
+        ({"OUTPUT_RATE_ZMQ_PUBLIC_KEY": server_public}, "OUTPUT_RATE_ZMQ_PUBLIC_KEY"),
+        ({"OUTPUT_RATE_ADMIN_TOKEN": ""}, "OUTPUT_RATE_ADMIN_TOKEN"),
+        ({"OUTPUT_RATE_ADMIN_TOKEN": "   "}, "OUTPUT_RATE_ADMIN_TOKEN"),
+        ({"OUTPUT_RATE_ADMIN_TOKEN": " admin-secret-token "}, "OUTPUT_RATE_ADMIN_TOKEN"),
+        ({"OUTPUT_RATE_ADMIN_TOKEN": "x"}, "OUTPUT_RATE_ADMIN_TOKEN"),
+        ({"OUTPUT_RATE_ENGINE_RETENTION_S": "2"}, "OUTPUT_RATE_ENGINE_RETENTION_S"),
+    ]
+
+
+def test_each_bad_setting_stops_serve_naming_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from control_plane.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for env, name in _bad_settings():
+        with monkeypatch.context() as m:
+            m.setenv("OUTPUT_RATE_DATABASE_URL", f"sqlite:///{tmp_path / 'never.db'}")
+            m.setenv("OUTPUT_RATE_ADMIN_TOKEN", "admin-secret-token")
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert main(["serve"]) == 2, env
+        err = capsys.readouterr().err
+        assert f"error: {name}" in err, (env, err)
+    assert not (tmp_path / "never.db").exists()  # refused before anything was touched
+
+
+def test_cli_port_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from control_plane.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "99999"])
+    assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_good_curve_settings_and_a_short_token_warning(caplog: pytest.LogCaptureFixture) -> None:
+    server_public, server_secret = _keys()
+    one, _ = _keys()
+    two, _ = _keys()
+    settings = Settings(
+        admin_token="short-token",  # type: ignore[arg-type]
+        zmq_secret_key=server_secret,  # type: ignore[arg-type]
+        zmq_public_key=server_public,
+        zmq_client_keys=f" {one}=engine-1|engine-1b, {two} ",
+    )
+    assert settings.allowed_engine_keys() == {one: frozenset({"engine-1", "engine-1b"}), two: None}
+    assert "OUTPUT_RATE_ADMIN_TOKEN is only 11 characters" in caplog.text
+
+
+def test_a_bad_setting_exits_the_real_process_with_status_2(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "OUTPUT_RATE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
+        "OUTPUT_RATE_ADMIN_TOKEN": "admin-secret-token",
+        "OUTPUT_RATE_ENGINE_TIMEOUT_S": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "control_plane.cli", "serve"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "error: OUTPUT_RATE_ENGINE_TIMEOUT_S" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.servers import VllmServer
+from harness.servers import VllmServer
 
 # One engine per mode for the engine e2e tests; every user and limit they need is here.
 ENGINE_LIMITS = {"user-a": 20, "user-a1": 20, "user-a4": 20, "user-b": 100, "hog": 10}

@@ -24,7 +24,7 @@ def main(rate: int, num_streams: int, tokens_per_stream: int) -> None:
     from vllm import LLM, SamplingParams
 
     from engine_ext.scheduler import OutputRateScheduler
-    from tests.e2e.servers import TINY_MODEL
+    from harness.servers import TINY_MODEL
 
     times: list[float] = []
     original = OutputRateScheduler.update_from_output

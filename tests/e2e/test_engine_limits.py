@@ -2,7 +2,7 @@
 
 Every test runs against two servers: sync scheduling (the plain
 ``python -m vllm.entrypoints.openai.api_server`` command) and async scheduling
-(``--async-scheduling``, through tests/e2e/cpu_async_server.py because vLLM's
+(``--async-scheduling``, through harness/cpu_async_server.py because vLLM's
 CPU platform turns it off). Rates are measured per user from the streams, as
 a client would: tokens from the usage block of every chunk, first-to-last
 token time.
@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from engine_ext.worker_spin import BUSY_WINDOW_S
-from tests.e2e.client import StreamResult, run, stream_completion, user_rate, wall_rate
+from harness.client import StreamResult, run, stream_completion, user_rate, wall_rate
+from harness.servers import VllmServer, free_port, vllm_command, vllm_env
 from tests.e2e.conftest import ENGINE_LIMITS
-from tests.e2e.servers import VllmServer, free_port, vllm_command, vllm_env
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.e2e.servers import ROOT, vllm_env
+from harness.servers import ROOT, vllm_env
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.client import StreamResult, run, stream_completion
-from tests.e2e.servers import VllmServer
+from harness.client import StreamResult, run, stream_completion
+from harness.servers import VllmServer
 from tests.e2e.test_engine_limits import wait_until_idle
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ import pytest
 
 from control_plane import services
 from control_plane.db import Database, make_engine
-from tests.e2e.client import StreamResult, run, stream_completion, user_rate
-from tests.e2e.servers import ControlPlane, VllmServer, free_port
+from harness.client import StreamResult, run, stream_completion, user_rate
+from harness.servers import ControlPlane, VllmServer, free_port
 
 pytestmark = pytest.mark.e2e
 AUTH = ControlPlane.auth_headers()

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.client import StreamResult, stream_completion, user_rate
-from tests.e2e.prometheus import PROMETHEUS, Prometheus
-from tests.e2e.servers import ROOT, ControlPlane, VllmServer, free_port
+from harness.client import StreamResult, stream_completion, user_rate
+from harness.prometheus import PROMETHEUS, Prometheus
+from harness.servers import ROOT, ControlPlane, VllmServer, free_port
 
 pytestmark = [
     pytest.mark.e2e,

@@ -5,7 +5,7 @@ The engine object is a real ``EngineCoreProc`` with the real (patched)
 ``abort_requests``, a real ``queue.Queue`` as input queue and the real
 output-rate scheduler. Only its model executor is replaced (the step function
 runs ``schedule()`` and feeds back one hand-made sampled token per request,
-like tests/engine_ext/sched_helpers.py), because building the process needs
+like harness/scheduler.py), because building the process needs
 ZMQ handshakes with a front end. A real thread plays the front end.
 """
 
@@ -23,7 +23,7 @@ from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 
 from engine_ext.engine_core import idle_wait_after_step, install_wake
 from engine_ext.plugin import register
-from tests.engine_ext.sched_helpers import make_request, make_scheduler, runner_output
+from harness.scheduler import make_request, make_scheduler, runner_output
 
 # Bounds far from the expected values, so a loaded machine cannot break them.
 LONG_WAIT_S = 30.0

@@ -16,7 +16,7 @@ from engine_ext.plugin import (
     register,
 )
 from engine_ext.verify import OutputRateConfigError
-from tests.engine_ext.sched_helpers import TINY_MODEL
+from harness.scheduler import TINY_MODEL
 
 BASE = ["--model", str(TINY_MODEL), "--max-model-len", "512", "--enforce-eager"]
 

@@ -119,7 +119,7 @@ def test_a_bad_op_refuses_the_whole_delta() -> None:
 
 
 def test_oversized_frames_are_refused_before_decoding() -> None:
-    frame = p.encode(p.Usage("e", 1.0, {f"u{i}": i for i in range(2000)}, {}))
+    frame = p.encode(p.Usage("e", 5.0, {f"u{i}": i for i in range(2000)}, {}))
     assert p.decode(frame).engine_id == "e"  # type: ignore[union-attr]
     with pytest.raises(p.ProtocolError, match="size"):
         p.decode(frame, max_bytes=len(frame) - 1)

@@ -12,7 +12,8 @@ import zmq
 
 from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import LimitTable, PushClient
+from engine_ext.limits import LimitTable
+from engine_ext.push_client import PushClient
 
 WAIT_S = 15.0
 

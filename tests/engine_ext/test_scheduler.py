@@ -12,7 +12,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from engine_ext.limiter import ANONYMOUS_USER, NS_PER_S, OutputRateLimiter
-from tests.engine_ext.sched_helpers import (
+from harness.scheduler import (
     FakeClock,
     Trace,
     drive,

@@ -11,7 +11,7 @@ import random
 import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from tests.engine_ext.sched_helpers import (
+from harness.scheduler import (
     FakeClock,
     compile_grammar,
     drive,

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from engine_ext.scheduler import RECLAIM_COOLDOWN_STEPS
-from tests.engine_ext.sched_helpers import (
+from harness.scheduler import (
     POSITIONAL,
     FakeClock,
     drive,

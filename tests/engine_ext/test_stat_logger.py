@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine_ext import stat_logger
 from engine_ext.metrics import PAYLOAD_FIELD, EngineMetrics, OutputRateCollector
-from tests.engine_ext.sched_helpers import FakeClock, drive, make_request, make_scheduler
+from harness.scheduler import FakeClock, drive, make_request, make_scheduler
 
 
 def test_stats_field_survives_vllms_engine_output_encoding_and_is_added_once() -> None:

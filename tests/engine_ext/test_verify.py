@@ -22,7 +22,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext.plugin import register
 from engine_ext.verify import OutputRateConfigError, verify_config
-from tests.engine_ext.sched_helpers import TINY_MODEL
+from harness.scheduler import TINY_MODEL
 
 BASE = ["--model", str(TINY_MODEL), "--max-model-len", "512", "--enforce-eager"]
 LIMIT = ["--default-user-output-tokens-per-second", "10"]

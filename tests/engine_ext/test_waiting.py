@@ -13,7 +13,7 @@ import pytest
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 
 from engine_ext.waiting import UserIndexedQueue
-from tests.engine_ext.sched_helpers import make_request
+from harness.scheduler import make_request
 
 POLICIES = pytest.mark.parametrize(
     "policy", [SchedulingPolicy.FCFS, SchedulingPolicy.PRIORITY], ids=["fcfs", "priority"]

@@ -16,7 +16,7 @@ import zmq
 from playwright.sync_api import Page, expect, sync_playwright
 
 from engine_ext import protocol as p
-from tests.e2e.servers import ControlPlane, free_port
+from harness.servers import ControlPlane, free_port
 
 TOKEN = ControlPlane.TOKEN
 # Generous: the UI polls once a second and CI shares two cores with the server.

@@ -152,6 +152,9 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
     server.start()
     engine = Engine(server.endpoint, "e1")
     try:
+        # An empty database looks like a fresh engine: wait for the snapshot itself, or
+        # a loaded server may answer the HELLO after all 60 writes (no delta at all).
+        assert engine.client.wait_for_snapshot(WAIT_S)
         converge([engine], db)
         for i in range(60):
             write(db, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)
@@ -348,3 +351,86 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
             engine.client.close()
             server.close()
             app.state.db.dispose()
+
+
+def test_malformed_frames_are_logged_once_then_summarised(
+    db, server: PushServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    from control_plane.push.server import DropLog
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        with caplog.at_level("WARNING", logger="control_plane.push.server"):
+            for _ in range(500):
+                sock.send(b"\xff")
+            deadline = time.monotonic() + WAIT_S
+            while server.num_dropped < 500:
+                assert time.monotonic() < deadline, server.num_dropped
+                time.sleep(0.02)
+        lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+        assert 1 <= len(lines) <= 2  # the first one, and at most one summary
+    finally:
+        sock.close()
+        context.term()
+    log = DropLog(interval_s=10.0)
+    with caplog.at_level("WARNING", logger="control_plane.push.server"):
+        caplog.clear()
+        for _ in range(1000):
+            log.note("malformed", "x")
+        log.flush(0.0)
+        log.flush(5.0)  # within the interval: nothing new
+        log.flush(11.0)  # nothing pending since the last summary
+    assert log.total == 1000
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "999 malformed" in messages[1]
+
+
+@pytest.mark.parametrize(
+    "db", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
+    from control_plane.push.server import Peer
+
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db)  # not started: driven here
+    try:
+        # Such an id can no longer come off the wire; the database is the last line.
+        for identity, engine_id in ((b"good", "good"), (b"bad", "bad\x00id")):
+            server.peers[identity] = Peer(engine_id=engine_id, model="m")
+            server._owners[engine_id] = identity
+            server._dirty.add(identity)
+        server._flush_status()
+        rows = db.read_now(services.list_engines, timeout_s=5)["items"]
+        assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
+        assert set(server.peers) == {b"good"}
+        assert server.num_dropped == 1
+    finally:
+        server._context.term()
+
+
+def test_an_engine_id_moves_to_a_new_connection_only_once_the_old_one_is_silent(db) -> None:
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db, engine_timeout_s=1.5)
+    server.start()
+    seed(db)
+    context = zmq.Context()
+    holder = context.socket(zmq.DEALER)
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.connect(server.endpoint)
+    holder.send(p.encode(p.Hello("e1", "old", 0)))
+    assert holder.poll(int(WAIT_S * 1000)) and p.peek_type(holder.recv()) == p.SNAPSHOT
+    engine = Engine(server.endpoint, "e1")
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # the holder is alive: e1 stays with it
+            holder.send(p.encode(p.Heartbeat(0, "e1", "old")))
+            assert engine.state()[0] == 0 and not engine.client.has_snapshot
+            time.sleep(0.2)
+        holder.close()  # silent now: after engine_timeout_s the real engine gets e1
+        converge([engine], db)
+        assert [peer.model for peer in server.peers.values()] == ["tiny"]
+    finally:
+        engine.client.close()
+        context.term()
+        server.close()

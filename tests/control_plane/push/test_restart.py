@@ -28,7 +28,8 @@ from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import LimitTable, PushClient
+from engine_ext.limits import LimitTable
+from engine_ext.push_client import PushClient
 from tests.control_plane.served import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -216,7 +217,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
     from control_plane.push.server import PushServer
     from engine_ext.config import OutputRateConfig
     from engine_ext.engine_core import connect_control_plane
-    from tests.engine_ext.sched_helpers import make_scheduler
+    from harness.scheduler import make_scheduler
 
     db_url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(db_url)

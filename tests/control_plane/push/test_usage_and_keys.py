@@ -59,9 +59,18 @@ def test_keys_written_for_the_control_plane_and_each_engine(tmp_path: Path) -> N
     engine_secrets = [
         (out / f"engine-{i}.env").read_text().strip().split("=", 1)[1].strip("'") for i in (1, 2)
     ]
-    admitted = settings.zmq_client_keys.split(",")
-    assert admitted == [public_key_of(secret) for secret in engine_secrets]
+    # Each engine key may claim only its own engine id.
+    assert settings.allowed_engine_keys() == {
+        public_key_of(secret): frozenset({f"engine-{i}"})
+        for i, secret in enumerate(engine_secrets, 1)
+    }
     assert (out / "engine-1.env").read_text().startswith(ENGINE_SECRET_KEY_ENV + "=")
+    # Never overwritten: the old keys would be lost (before: silently replaced).
+    old = {f.name: f.read_text() for f in out.iterdir()}
+    assert main(["keys", "--out", str(out), "--engines", "2"]) == 2
+    assert {f.name: f.read_text() for f in out.iterdir()} == old
+    assert main(["keys", "--out", str(out), "--engines", "2", "--force"]) == 0
+    assert (out / "engine-1.env").read_text() != old["engine-1.env"]
 
 
 def test_keys_printed() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.servers import Process, free_port, wait_healthy
+from harness.servers import Process, free_port, wait_healthy
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / ".cache" / "tiny-llama"
 STARTUP_TIMEOUT_S = 240
 
@@ -25,9 +25,9 @@ def free_port() -> int:
 
 
 # The plain server command; the async launcher keeps --async-scheduling on
-# (vLLM's CPU platform turns it off; see tests/e2e/cpu_async_server.py).
+# (vLLM's CPU platform turns it off; see harness/cpu_async_server.py).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-ASYNC_SERVER_MODULE = "tests.e2e.cpu_async_server"
+ASYNC_SERVER_MODULE = "harness.cpu_async_server"
 
 
 def vllm_command(port: int, *flags: str, async_scheduling: bool = False) -> list[str]:
@@ -55,7 +55,7 @@ def vllm_env() -> dict[str, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     # Set in a test process that parsed limit flags; a server decides for itself.
     env.pop("VLLM_OUTPUT_RATE_LIMITING", None)
-    # The async launcher is imported as tests.e2e.cpu_async_server.
+    # The async launcher is imported as harness.cpu_async_server.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 

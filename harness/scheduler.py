@@ -30,7 +30,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
-TINY_MODEL = Path(__file__).resolve().parents[2] / ".cache" / "tiny-llama"
+TINY_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
 BLOCK_SIZE = 16
 EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 7  # never EOS, so requests run to max_tokens

@@ -1,0 +1,77 @@
+"""The identifier rules, shared by every side: REST paths and bodies, bulk, the wire
+protocol, the vLLM flags and the database columns (their lengths are these).
+
+Pure Python (no vLLM, no SQLAlchemy, no pydantic): the patterns are plain regular
+expressions that pydantic, msgspec and ``re`` all accept.
+
+- User ids: 1-256 characters, no control characters (U+0000-U+001F, U+007F, so no NUL),
+  no ``/`` (no route could address such a user) and no U+FFFD (what invalid UTF-8
+  decodes to: two different byte strings would become one user).
+- Engine ids: 1-256 characters of letters, digits and ``. _ - : @ [ ]`` (host names,
+  ``host:port``, ``[::1]:8000``, pod names): addressable as ``/engines/{id}`` and
+  writable in an allow-list (OUTPUT_RATE_ZMQ_CLIENT_KEYS ``KEY=id1|id2``).
+- Model names: at most 512 characters, no control characters (``/`` is fine).
+- Tier names: 1-64 characters of letters, digits, ``. _ -``, starting with a letter
+  or a digit.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_USER_ID_LEN = 256
+MAX_ENGINE_ID_LEN = 256
+MAX_MODEL_LEN = 512
+MAX_TIER_NAME_LEN = 64
+
+USER_ID_PATTERN = r"^[^\x00-\x1f\x7f/\ufffd]+$"
+ENGINE_ID_PATTERN = r"^[A-Za-z0-9._:@\[\]-]+$"
+MODEL_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+TIER_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_TIER_NAME_LEN - 1}}}$"
+
+_USER_ID = re.compile(USER_ID_PATTERN)
+_ENGINE_ID = re.compile(ENGINE_ID_PATTERN)
+_MODEL = re.compile(MODEL_PATTERN)
+
+
+def _shown(value: str) -> str:
+    return repr(value if len(value) <= 40 else value[:40] + "...")
+
+
+def check_user_id(user: object) -> str:
+    """The user id, or ValueError saying which rule it breaks."""
+    if not isinstance(user, str) or not user:
+        raise ValueError(f"user ids must be non-empty strings, got {user!r}")
+    if len(user) > MAX_USER_ID_LEN:
+        raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {_shown(user)}")
+    if not _USER_ID.match(user):
+        raise ValueError(f"user id {_shown(user)} contains control characters, '/' or U+FFFD")
+    return user
+
+
+def is_user_id(user: str) -> bool:
+    return 0 < len(user) <= MAX_USER_ID_LEN and _USER_ID.match(user) is not None
+
+
+def check_engine_id(engine_id: object) -> str:
+    """The engine id, or ValueError saying which rule it breaks."""
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ValueError(f"engine ids must be non-empty strings, got {engine_id!r}")
+    if len(engine_id) > MAX_ENGINE_ID_LEN:
+        raise ValueError(
+            f"engine id longer than {MAX_ENGINE_ID_LEN} characters: {_shown(engine_id)}"
+        )
+    if not _ENGINE_ID.match(engine_id):
+        raise ValueError(
+            f"engine id {_shown(engine_id)} may only contain letters, digits and . _ - : @ [ ]"
+        )
+    return engine_id
+
+
+def check_model(model: str) -> str:
+    if len(model) > MAX_MODEL_LEN or not _MODEL.match(model):
+        raise ValueError(
+            f"model name {_shown(model)} is over {MAX_MODEL_LEN} characters or has "
+            "control characters"
+        )
+    return model
