@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
 from engine_ext.rates import validate_rate
 
 CONFIG_KEY = "output_rate"
@@ -27,9 +28,17 @@ class OutputRateConfig:
     # How long startup waits for the first snapshot before serving with the
     # flags' limits (seconds).
     snapshot_timeout_s: float = 10.0
+    # Engine metrics (docs/metrics.md): users with a series of their own, and how
+    # long a user stays idle before its series goes.
+    metrics_max_users: int = DEFAULT_MAX_USERS
+    metrics_idle_s: float = DEFAULT_IDLE_S
 
     def __post_init__(self) -> None:
         validate_rate(self.default_rate, field="default_rate")
+        if not 0 <= self.metrics_max_users <= MAX_METRICS_USERS:
+            raise ValueError(f"metrics_max_users must be 0..{MAX_METRICS_USERS}")
+        if not self.metrics_idle_s > 0:
+            raise ValueError("metrics_idle_s must be > 0")
         for user, rate in self.user_rates.items():
             validate_rate(rate, field=f"rate of user {user!r}")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine_ext.config import OutputRateConfig
 from engine_ext.ids import check_engine_id, check_user_id
+from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
 from engine_ext.rates import MAX_RATE, validate_rate
 
 # argparse dest -> flag, for error messages and for reading the namespace.
@@ -18,6 +19,8 @@ FLAGS = {
     "output_rate_engine_id": "--output-rate-engine-id",
     "control_plane_public_key": "--control-plane-public-key",
     "control_plane_snapshot_timeout": "--control-plane-snapshot-timeout",
+    "output_rate_metrics_users": "--output-rate-metrics-users",
+    "output_rate_metrics_idle_seconds": "--output-rate-metrics-idle-seconds",
 }
 
 
@@ -80,6 +83,26 @@ def parse_endpoint(text: str) -> str:
     return text
 
 
+def parse_metrics_users(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_METRICS_USERS:
+        raise argparse.ArgumentTypeError(f"must be an integer 0..{MAX_METRICS_USERS}, got {text!r}")
+    return value
+
+
+def parse_idle_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, 86400], got {text!r}")
+    return value
+
+
 def add_flags(parser: Any) -> None:
     group = parser.add_argument_group(
         title="Per-user output rate",
@@ -124,6 +147,20 @@ def add_flags(parser: Any) -> None:
         help="Seconds to wait at startup for the control plane's limits before serving "
         "with the limits given on the command line.",
     )
+    group.add_argument(
+        FLAGS["output_rate_metrics_users"],
+        type=parse_metrics_users,
+        default=DEFAULT_MAX_USERS,
+        help="Users with their own label value on /metrics; the rest are user=__other__ "
+        f"(default {DEFAULT_MAX_USERS}).",
+    )
+    group.add_argument(
+        FLAGS["output_rate_metrics_idle_seconds"],
+        type=parse_idle_seconds,
+        default=DEFAULT_IDLE_S,
+        help="A user's /metrics series goes after this many idle seconds "
+        f"(default {DEFAULT_IDLE_S:g}).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
@@ -143,4 +180,6 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         engine_id=engine_id,
         control_plane_public_key=getattr(args, "control_plane_public_key", None),
         snapshot_timeout_s=getattr(args, "control_plane_snapshot_timeout", 10.0),
+        metrics_max_users=getattr(args, "output_rate_metrics_users", DEFAULT_MAX_USERS),
+        metrics_idle_s=getattr(args, "output_rate_metrics_idle_seconds", DEFAULT_IDLE_S),
     )

@@ -42,6 +42,7 @@ def register() -> None:
     vllm_compat.apply_patches(vllm_compat.PATCHES)
     if limiting_on() and API_SERVER_MODULE in sys.modules:
         _reject_beam_search()  # an extra API server process
+        _install_metrics()
 
 
 def limiting_on() -> bool:
@@ -76,6 +77,7 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
             }
             os.environ[LIMITING_ENV] = "1"
             _reject_beam_search()
+            _install_metrics()
         return engine_args
 
     return from_cli_args
@@ -105,6 +107,16 @@ def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any
         return vllm_config
 
     return create_engine_config
+
+
+def _install_metrics() -> None:
+    """API server process of a limited server: engine figures on its /metrics."""
+    from engine_ext.stat_logger import add_stats_field, install_stat_logger
+
+    if add_stats_field():
+        install_stat_logger()
+    else:
+        logger.warning("output-rate: SchedulerStats cannot carry engine metrics; not exported")
 
 
 # ---- beam search (rows of vllm_compat.BEAM_SEARCH_PATCHES) -----------------

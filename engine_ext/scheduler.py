@@ -33,7 +33,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
 from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
+from engine_ext.metrics import PAYLOAD_FIELD, scheduler_snapshot, tier_lookup
 from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, ReclaimStats, Slots, StepPlan, StepPlanner
+from engine_ext.stat_logger import engine_metrics_for
 from engine_ext.waiting import UserIndexedQueue
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ class OutputRateMixin:
     max_num_scheduled_tokens: int
     num_waiting_for_streaming_input: int
     policy: Any
+    log_stats: bool
 
     def _init_output_rate(self, vllm_config: Any) -> None:
         vllm_compat.check_vllm_version()
@@ -105,6 +108,10 @@ class OutputRateMixin:
         # The control-plane client, attached by the engine-core side.
         self.push_client: Any = None
         self._next_usage_report_ns = 0
+        # metrics: engine figures on vLLM's /metrics (engine_ext/metrics.py); None if log stats off.
+        self.output_rate_metrics = engine_metrics_for(self.output_rate_config, self.log_stats)
+        if self.output_rate_metrics is not None:
+            self.output_rate_planner.count_granted = True
 
     @property
     def output_rate_limiter(self) -> OutputRateLimiter:
@@ -170,6 +177,8 @@ class OutputRateMixin:
             self.waiting.remove_gate()
             self.kv_holding_waiting.remove_gate()
         planner.settle(plan, gate, output.num_scheduled_tokens, step)
+        if self.output_rate_metrics is not None:  # metrics: O(throttled users)
+            self.output_rate_metrics.on_step(planner.num_granted, len(plan.throttled))
         if step % CLEANUP_INTERVAL_STEPS == 0:
             planner.cleanup(self.requests, step)
         self._maybe_report_usage()
@@ -222,14 +231,32 @@ class OutputRateMixin:
             self.push_client.apply_pending(self.output_rate_limiter)
 
     def _maybe_report_usage(self) -> None:
-        if self.push_client is None:
+        metrics = self.output_rate_metrics
+        if self.push_client is None and metrics is None:
             return
         now = self.output_rate_clock_ns()
         if now < self._next_usage_report_ns:
             return
         self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
         granted, throttled = self.output_rate_planner.take_usage()
-        self.push_client.report_usage(granted=granted, throttled=throttled)
+        if metrics is not None:  # metrics: the same counts, before the push client owns them
+            metrics.add_usage(granted, throttled, tier_lookup(self))
+        if self.push_client is not None:
+            self.push_client.report_usage(granted=granted, throttled=throttled)
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        # metrics: a snapshot rides on vLLM's SchedulerStats about once a second, and
+        # when the last request finished (an idle engine sends no stats).
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        metrics = self.output_rate_metrics
+        if stats is None or metrics is None:
+            return stats
+        if not self.requests:
+            self._next_usage_report_ns = 0
+            self._maybe_report_usage()
+        if metrics.snapshot_due() or not self.requests:
+            setattr(stats, PAYLOAD_FIELD, scheduler_snapshot(metrics, self))
+        return stats
 
 
 class OutputRateScheduler(OutputRateMixin, Scheduler):

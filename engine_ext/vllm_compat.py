@@ -37,6 +37,13 @@ What the product depends on, by module:
   FCFS and priority queues (``Request.priority``, ``arrival_time``).
 - verify.py: ``VllmConfig`` fields (speculative, parallel, model kind, KV
   transfer and offload, ``scheduler_cls``).
+- metrics (docs/metrics.md): ``SchedulerStats`` gets one more dataclass field
+  (``add_scheduler_stats_field`` below; msgspec must encode and decode it
+  between the engine core and the API server); scheduler.py overrides
+  ``make_stats`` (reads ``log_stats``); ``METRICS_PATCHES``:
+  ``vllm.v1.engine.async_llm.load_stat_logger_plugin_factories`` also returns
+  the output-rate stat logger (an ``AggregateStatLoggerBase``), in API server
+  processes of a limited server.
 """
 
 from __future__ import annotations
@@ -96,15 +103,17 @@ def check_vllm_version() -> None:
 
 
 def _resolve(path: str) -> Any:
+    """ "module:attribute", or "module" for the module itself."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    resolved = importlib.import_module(module)
+    return getattr(resolved, name) if name else resolved
 
 
 @dataclass(frozen=True)
 class Patch:
     """One vLLM attribute the product replaces: ``owner.attribute = wrap(original)``."""
 
-    owner: str  # "module:Class"
+    owner: str  # "module:Class", or "module" for a module-level function
     attribute: str
     wrap: str  # "module:function": takes the original, returns the replacement
     binding: Literal["method", "staticmethod", "classmethod"] = "method"
@@ -116,7 +125,8 @@ class Patch:
 
     @property
     def name(self) -> str:
-        return f"{self.owner.rpartition('.')[2].partition(':')[2]}.{self.attribute}"
+        tail = self.owner.rpartition(".")[2]
+        return f"{tail.partition(':')[2] or tail}.{self.attribute}"
 
     def apply(self) -> bool:
         """Install the replacement unless it is there already. True if installed now."""
@@ -177,6 +187,16 @@ BEAM_SEARCH_PATCHES: tuple[Patch, ...] = (
 )
 
 
+# Patched only in the API server processes of a limited server (engine metrics).
+METRICS_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.v1.engine.async_llm",
+        "load_stat_logger_plugin_factories",
+        "engine_ext.stat_logger:wrap_load_stat_logger_plugin_factories",
+    ),
+)
+
+
 def apply_patches(patches: Iterable[Patch]) -> list[str]:
     """Apply ``patches`` once per process; on an unsupported vLLM only the
     version-independent ones. Returns the names patched by this call."""
@@ -216,3 +236,40 @@ def worker_input_reader(worker_proc: Any) -> tuple[bool, Any]:
     if queue is None or getattr(queue, "_is_local_reader", None) is False:
         return False, None
     return True, getattr(queue, "_spin_condition", None)
+
+
+def add_scheduler_stats_field(name: str) -> bool:
+    """Give ``SchedulerStats`` (a dataclass) a field ``name`` (default None), once per
+    process, before vLLM builds a decoder for it; True if it then survives vLLM's own
+    msgpack encoding of ``EngineCoreOutputs``.
+
+    msgspec caches a dataclass's decoding info on the class (``__msgspec_cache__``); it
+    is dropped so that the new field is seen even if something decoded stats before.
+    """
+    import dataclasses
+
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    if name not in SchedulerStats.__dataclass_fields__:
+        field: Any = dataclasses.field(default=None)
+        field.name = name
+        field.type = dict[str, Any] | None
+        field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+        SchedulerStats.__dataclass_fields__[name] = field
+        SchedulerStats.__annotations__[name] = dict[str, Any] | None
+        setattr(SchedulerStats, name, None)
+        if "__msgspec_cache__" in vars(SchedulerStats):
+            delattr(SchedulerStats, "__msgspec_cache__")
+    return _stats_field_round_trips(name)
+
+
+def _stats_field_round_trips(name: str) -> bool:
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    stats = SchedulerStats()
+    setattr(stats, name, {"probe": [1]})
+    frames = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    return bool(getattr(decoded.scheduler_stats, name, None) == {"probe": [1]})

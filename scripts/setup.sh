@@ -49,5 +49,13 @@ if [ "${OUTPUT_RATE_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null
         || log "WARNING: could not install chromium; UI tests will fail"
 fi
 
+# A real Prometheus for the metrics e2e test (tests/e2e/test_metrics_prometheus.py; Debian's package,
+# run by the test as a plain process with a temp config and storage).
+if ! command -v prometheus >/dev/null; then
+    log "installing Debian's prometheus"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+        || log "WARNING: could not install prometheus; the metrics e2e test will be skipped"
+fi
+
 # A tiny random-weight Llama built locally (no model hub), used by every engine test.
 "$VENV/bin/python" scripts/tiny_model.py --out "$ROOT/.cache/tiny-llama" >&2

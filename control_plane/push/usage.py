@@ -48,6 +48,8 @@ class UsageBook:
         self._lock = threading.Lock()
         # engine id -> (time received, report), oldest first
         self._reports: dict[str, deque[tuple[float, p.Usage]]] = {}
+        # engine id -> when its last report arrived (kept past the window; /metrics)
+        self._last_report_at: dict[str, float] = {}
         # user -> number of stored reports naming it
         self._users: dict[str, int] = {}
         self.num_users_left_out = 0
@@ -60,6 +62,7 @@ class UsageBook:
         now = self._clock()
         with self._lock:
             self._expire(now)
+            self._last_report_at[engine_id or report.engine_id] = now
             report = self._admit(report)
             reports = self._reports.setdefault(engine_id or report.engine_id, deque())
             reports.append((now, report))
@@ -101,6 +104,12 @@ class UsageBook:
                 self._count(reports.popleft()[1], -1)
             if not reports:
                 del self._reports[engine_id]
+
+    def report_ages(self) -> dict[str, float]:
+        """Seconds since each engine's last usage report."""
+        now = self._clock()
+        with self._lock:
+            return {engine: now - at for engine, at in self._last_report_at.items()}
 
     def totals(self) -> list[UserUsage]:
         now = self._clock()

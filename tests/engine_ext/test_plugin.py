@@ -96,6 +96,11 @@ def test_scheduler_follows_the_resolved_async_scheduling() -> None:
         (["--default-user-output-tokens-per-second", "-3"], "between 1 and 1000000"),
         (["--default-user-output-tokens-per-second", "fast"], "integer"),
         (["--control-plane-endpoint", "http://x"], "ZMQ endpoint"),
+        (["--output-rate-metrics-users", "-1"], "integer 0..1000"),
+        (["--output-rate-metrics-users", "1001"], "integer 0..1000"),
+        (["--output-rate-metrics-users", "many"], "integer 0..1000"),
+        (["--output-rate-metrics-idle-seconds", "0"], "seconds in (0, 86400]"),
+        (["--output-rate-metrics-idle-seconds", "soon"], "seconds in (0, 86400]"),
     ],
 )
 def test_bad_flag_values_fail_naming_the_flag(
@@ -133,3 +138,16 @@ def test_unsupported_modes_are_rejected_naming_the_option(flags: list[str], opti
     except Exception as e:  # vLLM itself refused the mode on this machine first
         pytest.fail(f"vLLM rejected {flags} before the output-rate check: {e!r}")
     pytest.fail(f"accepted: {config}")
+
+
+def test_metrics_flags_reach_the_engine_config() -> None:
+    config = engine_config(
+        "--default-user-output-tokens-per-second",
+        "50",
+        "--output-rate-metrics-users",
+        "3",
+        "--output-rate-metrics-idle-seconds",
+        "5",
+    )
+    rate_config = OutputRateConfig.from_vllm_config(config)
+    assert (rate_config.metrics_max_users, rate_config.metrics_idle_s) == (3, 5.0)

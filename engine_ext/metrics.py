@@ -1,0 +1,387 @@
+"""Engine-side output-rate metrics, shown on vLLM's own ``/metrics``.
+
+Two halves, one per process (docs/metrics.md):
+
+- ``EngineMetrics`` lives in the scheduler (engine-core process). It keeps
+  cumulative per-user counters for at most ``max_users`` users (the rest are
+  folded into ``OTHER_USER``), the engine-side interval between consecutive
+  tokens of throttled users per tier, and, about once a second, puts a small
+  plain-data snapshot on the ``SchedulerStats`` that vLLM already sends to the
+  API server (``Scheduler.make_stats``). Per step it costs one call with
+  O(throttled users) work; the per-user counts come from the planner's own
+  usage dicts once a second.
+- ``OutputRateCollector`` lives in the API server process: vLLM's stat logger
+  hands it each snapshot (engine_ext/stat_logger.py) and it renders the latest
+  one per engine at scrape time, with vLLM's ``model_name`` and ``engine``
+  labels.
+
+Imports nothing from vLLM (the vLLM-facing glue is engine_ext/stat_logger.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+# The SchedulerStats attribute that carries the snapshot (engine_ext/stat_logger.py).
+PAYLOAD_FIELD = "output_rate"
+# Label value of every user without a series of its own (and of tiers beyond MAX_TIERS).
+OTHER_USER = "__other__"
+# Tier label of users the control plane put in no tier (or engines without one).
+NO_TIER = "(none)"
+MAX_TIERS = 32
+DEFAULT_MAX_USERS = 20
+MAX_METRICS_USERS = 1000
+DEFAULT_IDLE_S = 60.0
+SNAPSHOT_INTERVAL_NS = 1_000_000_000
+# Engine-side interval between a throttled user's consecutive tokens (seconds).
+INTERVAL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+# user -> [tokens granted, request-steps throttled, last active (clock ns)]
+_GRANTED, _THROTTLED, _LAST_ACTIVE = 0, 1, 2
+
+
+class IntervalHistogram:
+    """Bucket counts (not cumulative; the last one is +Inf) and the sum, in seconds."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(INTERVAL_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float, num: int = 1) -> None:
+        self.counts[bisect.bisect_left(INTERVAL_BUCKETS, seconds)] += num
+        self.sum += seconds * num
+
+
+class EngineMetrics:
+    """Cumulative engine figures with bounded per-user cardinality.
+
+    A user gets a series of its own when a slot is free (at most ``max_users``;
+    among users new in the same usage interval the most active first) and keeps
+    it until it has been idle (no token granted or refused) for ``idle_s``;
+    everything else is counted under ``OTHER_USER``. Counters of a series only
+    count while it exists, so ``sum by (engine)`` is the engine's total only
+    while no user was folded.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_users: int = DEFAULT_MAX_USERS,
+        idle_s: float = DEFAULT_IDLE_S,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.max_users = max_users
+        self.idle_ns = int(idle_s * 1e9)
+        self.clock_ns = clock_ns
+        self.users: dict[str, list[int]] = {}
+        self.other = [0, 0]
+        self.num_throttled_resident = 0
+        self.intervals: dict[str, IntervalHistogram] = {}
+        # Users throttled in the last two usage intervals -> their tier's histogram.
+        self._watched: dict[str, IntervalHistogram] = {}
+        self._throttled_before: set[str] = set()
+        # user -> clock ns of its last granted token (watched users only).
+        self._last_grant_ns: dict[str, int] = {}
+        # user -> its count in the scheduler's running dict at the last step.
+        self._seen: dict[str, int] = {}
+        self._next_snapshot_ns = 0
+
+    # ---- engine thread, once per usage interval ------------------------------
+
+    def add_usage(
+        self,
+        granted: Mapping[str, int],
+        throttled: Mapping[str, int],
+        tier_of: Callable[[str], str | None] = lambda user: None,
+    ) -> None:
+        """Count one usage interval's per-user tokens granted and request-steps refused.
+
+        The scheduler starts new running counts after this call.
+        """
+        self._seen = {}
+        now = self.clock_ns()
+        users = self.users
+        active = set(granted).union(throttled)
+        new = [u for u in active if u not in users]
+        if new:
+            free = self.max_users - len(users)
+            new.sort(key=lambda u: -(granted.get(u, 0) + throttled.get(u, 0)))
+            for user in new[: max(free, 0)]:
+                if user != OTHER_USER:
+                    users[user] = [0, 0, now]
+        other = self.other
+        for user in active:
+            series = users.get(user)
+            if series is None:
+                series = other
+            else:
+                series[_LAST_ACTIVE] = now
+            series[_GRANTED] += granted.get(user, 0)
+            series[_THROTTLED] += throttled.get(user, 0)
+        self._watch(set(throttled), tier_of)
+
+    def _watch(self, throttled: set[str], tier_of: Callable[[str], str | None]) -> None:
+        watched_users = throttled | self._throttled_before
+        self._throttled_before = throttled
+        old = self._watched
+        watched: dict[str, IntervalHistogram] = {}
+        for user in watched_users:
+            hist = old.get(user)
+            watched[user] = hist if hist is not None else self._histogram(tier_of(user))
+        for user in [u for u in self._last_grant_ns if u not in watched]:
+            del self._last_grant_ns[user]
+        self._watched = watched
+
+    def _histogram(self, tier: str | None) -> IntervalHistogram:
+        name = tier if tier is not None else NO_TIER
+        hist = self.intervals.get(name)
+        if hist is None:
+            if len(self.intervals) >= MAX_TIERS:
+                name = OTHER_USER
+                hist = self.intervals.get(name)
+            if hist is None:
+                hist = self.intervals[name] = IntervalHistogram()
+        return hist
+
+    # ---- engine thread, every step -------------------------------------------
+
+    def on_step(self, granted: Mapping[str, int], num_throttled: int) -> None:
+        """Record this step's throttled resident requests and watched users' token times.
+
+        ``granted`` is the scheduler's running count of tokens per user since the
+        last ``add_usage`` (the planner's ``num_granted``); the tokens of this step
+        are its growth. Costs O(watched users).
+        """
+        self.num_throttled_resident = num_throttled
+        watched = self._watched
+        if not watched or not granted:
+            return
+        seen = self._seen
+        last_grant = self._last_grant_ns
+        now = 0
+        for user, hist in watched.items():
+            total = granted.get(user)
+            if total is None:
+                continue
+            num = total - seen.get(user, 0)
+            if num <= 0:
+                continue
+            seen[user] = total
+            now = now or self.clock_ns()
+            last = last_grant.get(user)
+            if last is not None:
+                hist.observe((now - last) / 1e9)
+            if num > 1:
+                hist.observe(0.0, num - 1)  # streams of one user served in the same step
+            last_grant[user] = now
+
+    # ---- engine thread, from make_stats ----------------------------------------
+
+    def snapshot_due(self) -> bool:
+        now = self.clock_ns()
+        if now < self._next_snapshot_ns:
+            return False
+        self._next_snapshot_ns = now + SNAPSHOT_INTERVAL_NS
+        return True
+
+    def snapshot(
+        self,
+        *,
+        rate_of: Callable[[str], int | None],
+        default_rate: int | None,
+        num_reclaims: int,
+        num_tokens_dropped: int,
+        config_version: int | None,
+        connected: bool | None,
+    ) -> dict[str, Any]:
+        """The plain-data snapshot sent to the API server (msgpack-friendly)."""
+        now = self.clock_ns()
+        users = self.users
+        for user in [u for u, s in users.items() if now - s[_LAST_ACTIVE] > self.idle_ns]:
+            del users[user]
+        return {
+            "users": {
+                user: [s[_GRANTED], s[_THROTTLED], rate_of(user), (now - s[_LAST_ACTIVE]) / 1e9]
+                for user, s in users.items()
+            },
+            "other": list(self.other),
+            "idle_s": self.idle_ns / 1e9,
+            "default_rate": default_rate,
+            "throttled_resident": self.num_throttled_resident,
+            "reclaims": num_reclaims,
+            "reclaimed_tokens": num_tokens_dropped,
+            "config_version": config_version,
+            "connected": connected,
+            "intervals": {tier: [*h.counts, h.sum] for tier, h in self.intervals.items()},
+        }
+
+
+def scheduler_snapshot(metrics: EngineMetrics, scheduler: Any) -> dict[str, Any]:
+    """Snapshot of an output-rate scheduler's figures (read-only on the scheduler)."""
+    limiter = scheduler.output_rate_limiter
+    push = scheduler.push_client
+    stats = scheduler.reclaim_stats
+    if limiter.is_unlimited:
+        # schedule() takes upstream's path and throttles nobody (on_step is not called).
+        metrics.num_throttled_resident = 0
+    return metrics.snapshot(
+        rate_of=limiter.rate_of,
+        default_rate=limiter.default_rate,
+        num_reclaims=stats.num_reclaims,
+        num_tokens_dropped=stats.num_tokens_dropped,
+        config_version=None if push is None else push.applied_version,
+        # In sync: holds a snapshot and is not waiting for a fresh one (a silent
+        # server or a gap make the client resync).
+        connected=None if push is None else push.has_snapshot and not push._resyncing,
+    )
+
+
+def tier_lookup(scheduler: Any) -> Callable[[str], str | None]:
+    """user -> tier name in the control plane's table (None without one)."""
+    push = scheduler.push_client
+    if push is None:
+        return lambda user: None
+    users = push.table.users
+    return lambda user: users.get(user, (None, None))[0]
+
+
+class OutputRateCollector(Collector):
+    """Renders the latest snapshot of every engine (API server process)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        # engine index -> (model name, snapshot, time received)
+        self._latest: dict[int, tuple[str, dict[str, Any], float]] = {}
+
+    def update(self, engine_idx: int, model_name: str, payload: dict[str, Any]) -> None:
+        with self._lock:
+            self._latest[engine_idx] = (model_name, payload, self._clock())
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+        with self._lock:
+            latest = sorted(self._latest.items())
+        base = ["model_name", "engine"]
+        user_labels = [*base, "user"]
+        granted = CounterMetricFamily(
+            "vllm:output_rate_granted_tokens",
+            "Output tokens granted per user by the output-rate limiter",
+            labels=user_labels,
+        )
+        throttled = CounterMetricFamily(
+            "vllm:output_rate_throttled_steps",
+            "Request-steps refused a token per user (one per throttled request per step)",
+            labels=user_labels,
+        )
+        limit = GaugeMetricFamily(
+            "vllm:output_rate_user_limit_tokens_per_second",
+            "Effective limit of each user with a series (absent: unlimited)",
+            labels=user_labels,
+        )
+        default = GaugeMetricFamily(
+            "vllm:output_rate_default_limit_tokens_per_second",
+            "Limit of users without their own (absent: unlimited)",
+            labels=base,
+        )
+        tracked = GaugeMetricFamily(
+            "vllm:output_rate_tracked_users",
+            "Users with a series of their own (the rest are user=__other__)",
+            labels=base,
+        )
+        resident = GaugeMetricFamily(
+            "vllm:output_rate_throttled_requests",
+            "Requests refused a token in the last step that stay resident (keep KV blocks)",
+            labels=base,
+        )
+        reclaims = CounterMetricFamily(
+            "vllm:output_rate_slot_reclaims",
+            "Worker slots taken back from throttled requests (preempted for users with budget)",
+            labels=base,
+        )
+        reclaimed = CounterMetricFamily(
+            "vllm:output_rate_reclaimed_tokens",
+            "Computed tokens of reclaimed requests (recomputed unless prefix-cached)",
+            labels=base,
+        )
+        version = GaugeMetricFamily(
+            "vllm:output_rate_config_version",
+            "Config version of the control plane this engine applied",
+            labels=base,
+        )
+        connected = GaugeMetricFamily(
+            "vllm:output_rate_control_plane_connected",
+            "1 while in sync with the control plane, 0 while it is silent or resyncing",
+            labels=base,
+        )
+        intervals = HistogramMetricFamily(
+            "vllm:output_rate_token_interval_seconds",
+            "Engine-side time between consecutive tokens of a throttled user, per tier",
+            labels=[*base, "tier"],
+        )
+        for engine_idx, (model_name, payload, received) in latest:
+            labels = [model_name, str(engine_idx)]
+            age = now - received
+            idle_s = payload["idle_s"]
+            num_tracked = 0
+            for user, (num_granted, num_throttled, rate, idle) in payload["users"].items():
+                if idle + age > idle_s:
+                    continue
+                num_tracked += 1
+                granted.add_metric([*labels, user], num_granted)
+                throttled.add_metric([*labels, user], num_throttled)
+                if rate is not None:
+                    limit.add_metric([*labels, user], rate)
+            other_granted, other_throttled = payload["other"]
+            granted.add_metric([*labels, OTHER_USER], other_granted)
+            throttled.add_metric([*labels, OTHER_USER], other_throttled)
+            tracked.add_metric(labels, num_tracked)
+            if payload["default_rate"] is not None:
+                default.add_metric(labels, payload["default_rate"])
+            resident.add_metric(labels, payload["throttled_resident"])
+            reclaims.add_metric(labels, payload["reclaims"])
+            reclaimed.add_metric(labels, payload["reclaimed_tokens"])
+            if payload["config_version"] is not None:
+                version.add_metric(labels, payload["config_version"])
+                connected.add_metric(labels, 1 if payload["connected"] else 0)
+            for tier, values in payload["intervals"].items():
+                counts, total = values[:-1], values[-1]
+                buckets, running = [], 0
+                for bound, count in zip((*INTERVAL_BUCKETS, float("inf")), counts, strict=True):
+                    running += count
+                    buckets.append((_le(bound), running))
+                intervals.add_metric([*labels, tier], buckets, total)
+        yield from (granted, throttled, limit, default, tracked, resident)
+        yield from (reclaims, reclaimed, version, connected, intervals)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
