@@ -172,10 +172,11 @@ class OutputRateLimiter:
         slack = now_scaled + state.burst_scaled - (tat if tat > now_scaled else now_scaled)
         return min(limit, slack // NS_PER_S + 1) if slack >= 0 else 0
 
-    def refund(self, user: str) -> None:
+    def refund(self, user: str, num: int = 1) -> None:
+        """Give back ``num`` tokens taken in this step (exactly undoes the takes)."""
         state = self._states.get(user)
         if state is not None:
-            state.tat_scaled -= NS_PER_S
+            state.tat_scaled -= num * NS_PER_S
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock time at which ``try_take(user)`` can succeed."""

@@ -4,7 +4,9 @@
 ``RequestLike``, which mirror vLLM 0.32.0's ``Request``) and the per-user view
 of the waiting queues, and decides with the limiter:
 
-- which running requests are charged one token (their step would sample),
+- which running requests are charged one token (their step would sample; the
+  requests of users whose budget covers them all are charged unseen and
+  settled after upstream's step, see ``_charge_covered``),
 - which are throttled (refused; they stay resident and are skipped),
 - which are parked (have a token but no active slot; skipped and refunded),
 - which throttled requests give their worker slot back (reclaim victims),
@@ -20,9 +22,9 @@ single refund point. Line numbers below are vLLM 0.32.0's
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Protocol
 
 from engine_ext.limiter import OutputRateLimiter
@@ -73,7 +75,16 @@ class Slots:
 
 @dataclass
 class StepPlan:
-    # Running requests charged one token this step.
+    # Running requests of users whose budget covers all of their running and
+    # waiting requests: charged one token each without looking at them;
+    # settle() refunds the ones that do not sample.
+    covered: list[RequestLike] = field(default_factory=list)
+    # user -> number of its requests in ``covered`` (read only: may be shared
+    # with the planner's cache).
+    num_covered: Mapping[str, int] = field(default_factory=dict)
+    # Ids of the running requests classified one by one (those of the other users).
+    classified_ids: list[str] = field(default_factory=list)
+    # Classified running requests whose step samples, charged one token.
     charged: list[RequestLike] = field(default_factory=list)
     # Running requests refused a token: skipped this step, still resident.
     throttled: list[RequestLike] = field(default_factory=list)
@@ -81,7 +92,7 @@ class StepPlan:
     parked: list[RequestLike] = field(default_factory=list)
     # Throttled requests to preempt so that users with budget get their slots.
     victims: list[RequestLike] = field(default_factory=list)
-    # user -> that user's charged running requests; built only when needed.
+    # user -> that user's ``charged`` requests; built only when needed.
     granted_by_user: dict[str, list[RequestLike]] | None = None
     # Admission cap for upstream this step (None: upstream's own).
     admission_cap: int | None = None
@@ -154,12 +165,16 @@ class StepPlanner:
         self.num_throttled: dict[str, int] = {}
         # Whether settle() counts granted tokens (only a reporting engine needs them).
         self.count_granted = False
+        # The running list of the last plan and its user -> count, reused
+        # while ``running`` holds the same requests in the same order.
+        self._last_running: list[RequestLike] = []
+        self._last_num_running: Counter[str] = Counter()
 
     # ---- the plan ---------------------------------------------------------
 
     def plan(
         self,
-        running: Iterable[RequestLike],
+        running: Sequence[RequestLike],
         waiting: tuple[WaitingLike, ...],
         slots: Slots,
         step: int,
@@ -167,7 +182,9 @@ class StepPlanner:
         """Decide this step; the gate is for the waiting queues during upstream's schedule()."""
         self.wakeup_ns = None
         plan = StepPlan()
-        num_busy = self._charge_running(plan, running, step, slots.max_chunk)
+        if len(running) <= slots.max_active:
+            running = self._charge_covered(plan, running, waiting)
+        num_busy = self._charge_running(plan, running, step, slots.max_chunk) if running else 0
         plan.parked = self._park_over_active_cap(plan, slots.max_active - num_busy, step)
         refused: set[str] = set()
         if any(len(q) for q in waiting):
@@ -180,13 +197,66 @@ class StepPlanner:
             plan.admission_cap = min(slots.max_active + len(plan.throttled), slots.max_running)
         return plan, AdmissionGate(self.limiter, refused, self._note_refused)
 
+    def _charge_covered(
+        self, plan: StepPlan, running: Sequence[RequestLike], waiting: tuple[WaitingLike, ...]
+    ) -> Sequence[RequestLike]:
+        """Charge the running requests of every user whose budget covers them all, unseen.
+
+        A user whose budget covers every one of its running and waiting
+        requests is refused nothing this step, whichever of them sample: each
+        is charged one token (one ``take_many`` call for all such users, from
+        counts made in C) and settle() refunds the ones that did not sample,
+        which leaves the limiter as if only those had been charged (GCRA
+        tokens taken at one instant add up). Nothing else in the plan depends
+        on which of a covered user's requests sample: it is never throttled,
+        never loses a turn to its queue, is admissible for all of its queue.
+        Parking would, but needs more running requests than active slots, and
+        the caller then classifies every request. Returns the requests of the
+        other users, to be classified one by one.
+        """
+        users = self.users
+        # Compares pointers only: no request is read when nothing changed.
+        last = self._last_running
+        if len(running) == len(last) and all(map(is_, running, last)):
+            num_running = self._last_num_running
+        else:
+            num_running = Counter(map(users.__getitem__, map(_REQUEST_ID, running)))
+            self._last_running, self._last_num_running = list(running), num_running
+        limiter = self.limiter
+        # user -> tokens it got of those asked for: the users not covered.
+        uncovered = limiter.take_many(num_running)
+        if any(map(len, waiting)):
+            num_waiting: Counter[str] = Counter()
+            for queue in waiting:
+                for user in queue.users():
+                    if user in num_running and user not in uncovered:
+                        num_waiting[user] += queue.num_requests_of(user)
+            for user, num in num_waiting.items():
+                if limiter.num_available(user, num) < num:
+                    uncovered[user] = num_running[user]
+        if not uncovered:
+            plan.covered = list(running)
+            plan.num_covered = num_running
+            return ()
+        num_covered = Counter(num_running)
+        for user, num in uncovered.items():
+            limiter.refund(user, num)
+            del num_covered[user]
+        plan.num_covered = num_covered
+        covered = plan.covered
+        rest: list[RequestLike] = []
+        for request in running:
+            (rest if users[request.request_id] in uncovered else covered).append(request)
+        return rest
+
     def _charge_running(
-        self, plan: StepPlan, running: Iterable[RequestLike], step: int, max_chunk: int
+        self, plan: StepPlan, running: Sequence[RequestLike], step: int, max_chunk: int
     ) -> int:
         """Charge every running request whose dispatch this step would sample.
 
         Returns the number of running requests that need no token (mid-prefill chunks).
         """
+        plan.classified_ids = list(map(_REQUEST_ID, running))
         charged = plan.charged
         charge = charged.append
         num_busy = 0
@@ -455,8 +525,9 @@ class StepPlanner:
         ``is_prefill_chunk`` has been updated by upstream for what it scheduled.
         """
         users = self.users
-        charged = plan.charged + list(gate.charged.values())
-        if num_scheduled.keys() >= set(map(_REQUEST_ID, charged)) and not any(
+        charged = plan.covered + plan.charged
+        charged += gate.charged.values()
+        if self._all_scheduled(plan, gate, num_scheduled) and not any(
             map(_IS_PREFILL_CHUNK, charged)
         ):
             unsampled = []  # the usual step: every charged request sampled
@@ -470,7 +541,26 @@ class StepPlanner:
         if self._reclaimed:
             self._protect_readmitted(gate, num_scheduled, step)
         if self.count_granted:
-            self._count_granted(charged, unsampled)
+            self._count_granted(plan, gate, unsampled)
+
+    @staticmethod
+    def _all_scheduled(
+        plan: StepPlan, gate: AdmissionGate, num_scheduled: Mapping[str, int]
+    ) -> bool:
+        """Whether upstream scheduled every charged request.
+
+        Covered requests are counted, not looked up: every request upstream
+        schedules was running when the plan was made or came through the gate
+        (vllm_compat.py, "where scheduled requests come from"), so the covered requests are all
+        scheduled iff the scheduled ones that are not covered account for the rest.
+        """
+        is_scheduled = num_scheduled.__contains__
+        if not all(map(is_scheduled, gate.charged)):
+            return False
+        if not all(map(is_scheduled, map(_REQUEST_ID, plan.charged))):
+            return False
+        num_not_covered = len(gate.charged) + sum(map(is_scheduled, plan.classified_ids))
+        return len(num_scheduled) - num_not_covered == len(plan.covered)
 
     def _protect_readmitted(
         self, gate: AdmissionGate, num_scheduled: Mapping[str, int], step: int
@@ -481,11 +571,15 @@ class StepPlanner:
                 self._reclaimed.discard(req_id)
                 self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
 
-    def _count_granted(self, charged: list[RequestLike], unsampled: list[RequestLike]) -> None:
+    def _count_granted(
+        self, plan: StepPlan, gate: AdmissionGate, unsampled: list[RequestLike]
+    ) -> None:
         users = self.users
-        num_granted = self.num_granted
-        num_sampled = Counter([users[r.request_id] for r in charged])
+        num_sampled = Counter(plan.num_covered)
+        num_sampled.update([users[r.request_id] for r in plan.charged])
+        num_sampled.update([users[r_id] for r_id in gate.charged])
         num_sampled.subtract([users[r.request_id] for r in unsampled])
+        num_granted = self.num_granted
         for user, num in num_sampled.items():
             if num > 0:
                 num_granted[user] = num_granted.get(user, 0) + num
@@ -499,6 +593,7 @@ class StepPlanner:
     def cleanup(self, live: Container[str], step: int) -> None:
         """Forget finished requests and idle users (``live``: request ids still known)."""
         self.limiter.cleanup_idle_users()
+        self._last_running, self._last_num_running = [], Counter()
         users = self.users
         for req_id in [r for r in users if r not in live]:
             del users[req_id]

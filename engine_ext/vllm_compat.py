@@ -32,7 +32,11 @@ What the product depends on, by module:
   ``Scheduler.schedule``: ``Request.num_output_placeholders``,
   ``num_tokens_with_spec``, ``num_computed_tokens``,
   ``next_decode_eligible_step``, ``num_prompt_tokens``, ``max_tokens``,
-  ``is_prefill_chunk``.
+  ``is_prefill_chunk``. Where scheduled requests come from: every request in
+  ``SchedulerOutput.num_scheduled_tokens`` was in ``running`` when
+  ``schedule()`` began or was popped from ``waiting`` / ``kv_holding_waiting``
+  (its lines 855 and 1365); the planner's settle counts on it
+  (tests/engine_ext/test_scheduler_equivalence.py checks it every step).
 - waiting.py: the ``RequestQueue`` interface, and the order of upstream's
   FCFS and priority queues (``Request.priority``, ``arrival_time``).
 - verify.py: ``VllmConfig`` fields (speculative, parallel, model kind, KV

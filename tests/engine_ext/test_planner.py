@@ -7,6 +7,8 @@ on a fake clock.
 
 from __future__ import annotations
 
+import itertools
+import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -79,19 +81,39 @@ def test_planner_imports_nothing_from_vllm() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def test_only_requests_whose_step_samples_are_charged() -> None:
-    planner, users, _ = make_planner({"a": 1000})
-    decode = add(users, "a", 1)[0]
-    mid_prefill = add(
-        users, "a", 1, num_output_tokens=0, num_prompt_tokens=500, num_computed_tokens=0
-    )[0]
-    cadence = add(users, "a", 1, next_decode_eligible_step=9)[0]
-    # Async look-ahead: the placeholder already reaches max_tokens.
-    done = add(users, "a", 1, max_tokens=5, num_computed_tokens=13, num_output_placeholders=1)[0]
-    plan, _ = planner.plan([decode, mid_prefill, cadence, done], (Queue(),), slots(4), step=5)
-    assert plan.charged == [decode]
+def four_kinds_of_running(users: dict[str, str], user: str) -> list[Req]:
+    """A decode, a long prefill mid-way, a decode skipped by upstream's cadence,
+    and an async look-ahead whose placeholder already reaches max_tokens."""
+    return [
+        add(users, user, 1)[0],
+        add(users, user, 1, num_output_tokens=0, num_prompt_tokens=500, num_computed_tokens=0)[0],
+        add(users, user, 1, next_decode_eligible_step=9)[0],
+        add(users, user, 1, max_tokens=5, num_computed_tokens=13, num_output_placeholders=1)[0],
+    ]
+
+
+def test_a_user_short_of_tokens_is_charged_only_for_requests_whose_step_samples() -> None:
+    planner, users, clock = make_planner({"a": 10})
+    decode, *others = four_kinds_of_running(users, "a")
+    drain(planner, "a")
+    clock[0] += 100_000_000  # one token
+    plan, _ = planner.plan([decode, *others], (Queue(),), slots(4), step=5)
+    assert plan.charged == [decode] and plan.covered == []
     assert plan.throttled == plan.parked == plan.victims == []
     assert plan.admission_cap is None
+
+
+def test_a_covered_user_is_charged_for_every_request_and_settle_keeps_what_sampled() -> None:
+    planner, users, _ = make_planner({"a": 1000})
+    running = four_kinds_of_running(users, "a")
+    before = planner.limiter.num_available("a", 1000)
+    plan, gate = planner.plan(running, (Queue({"a": 2}),), slots(4), step=5)
+    assert plan.covered == running and plan.num_covered == {"a": 4} and plan.charged == []
+    assert planner.limiter.num_available("a", 1000) == before - 4
+    decode, mid_prefill = running[:2]
+    mid_prefill.is_prefill_chunk = True
+    planner.settle(plan, gate, {decode.request_id: 1, mid_prefill.request_id: 64}, step=5)
+    assert planner.limiter.num_available("a", 1000) == before - 1
 
 
 def test_a_short_user_rotates_its_tokens_and_is_throttled_otherwise() -> None:
@@ -193,3 +215,133 @@ def test_settle_refunds_exactly_what_did_not_sample() -> None:
     chunk.is_prefill_chunk = True  # upstream cut its chunk short of the end
     planner.settle(plan, gate, {sampled.request_id: 1, chunk.request_id: 40}, step=1)
     assert planner.limiter.num_available("a", 1000) == before - 1
+
+
+class ReqQueue:
+    """user -> its waiting requests, in order."""
+
+    def __init__(self) -> None:
+        self.by_user: dict[str, list[Req]] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self.by_user.values()))
+
+    def users(self):
+        return [u for u, reqs in self.by_user.items() if reqs]
+
+    def num_requests_of(self, user: str) -> int:
+        return len(self.by_user.get(user, ()))
+
+
+def samples(request: Req, step: int, max_chunk: int) -> bool:
+    """Whether upstream's step would sample ``request`` (the spec the planner mirrors)."""
+    remaining = (
+        request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+    )
+    if remaining <= 0 or step < request.next_decode_eligible_step or remaining > max_chunk:
+        return False
+    return not (
+        request.num_output_placeholders > 0
+        and request.num_computed_tokens + 2 - request.num_output_placeholders
+        >= request.num_prompt_tokens + request.max_tokens
+    )
+
+
+def random_request(rng: random.Random, request_id: str) -> Req:
+    kind = rng.choice(["decode"] * 6 + ["prefill", "cadence", "done"])
+    if kind == "prefill":
+        return Req(request_id, num_prompt_tokens=500, num_output_tokens=0, num_computed_tokens=0)
+    if kind == "cadence":
+        return Req(request_id, next_decode_eligible_step=rng.randrange(40))
+    if kind == "done":
+        return Req(request_id, max_tokens=5, num_computed_tokens=13, num_output_placeholders=1)
+    return Req(request_id, num_computed_tokens=rng.choice([12, 11]), arrival_time=rng.random())
+
+
+def test_covering_users_plans_exactly_what_classifying_every_request_plans() -> None:
+    """The covered fast path against a planner that classifies every request,
+    over random multi-step runs with throttled, covered and unlimited users,
+    waiting queues, reclaim, turn stealing and the admission gate."""
+    for seed in range(150):
+        run_fast_and_exact_side_by_side(seed)
+
+
+def run_fast_and_exact_side_by_side(seed: int) -> None:
+    rng = random.Random(seed)
+    rates = {f"u{i}": rng.choice([None, 1, 5, 20, 50, 1000]) for i in range(5)}
+    clock = [NOW_NS]
+    users: dict[str, str] = {}
+    fast = StepPlanner(OutputRateLimiter(None, rates, clock_ns=lambda: clock[0]), users)
+    exact = StepPlanner(OutputRateLimiter(None, rates, clock_ns=lambda: clock[0]), users)
+    exact._charge_covered = lambda plan, running, waiting: running  # type: ignore[method-assign]
+    fast.count_granted = exact.count_granted = True
+    max_running = rng.choice([4, 8])
+    max_active = max_running if seed % 5 else max_running - 2
+    ids = itertools.count()
+
+    def new_request(user: str) -> Req:
+        request = random_request(rng, f"{user}-{next(ids)}")
+        users[request.request_id] = user
+        return request
+
+    running = [new_request(rng.choice(list(rates))) for _ in range(rng.randrange(max_running))]
+    queues = (ReqQueue(), ReqQueue())
+    for step in range(1, 30):
+        clock[0] += rng.randrange(0, 150_000_000)
+        for _ in range(rng.randrange(3)):
+            user = rng.choice(list(rates))
+            rng.choice(queues).by_user.setdefault(user, []).append(new_request(user))
+        slots = Slots(max_active, max_running, len(running), max_chunk=64)
+        plan_f, gate_f = fast.plan(running, queues, slots, step)
+        plan_e, gate_e = exact.plan(running, queues, slots, step)
+        where = f"seed {seed} step {step}"
+        for name in ("throttled", "parked", "victims"):
+            assert [r.request_id for r in getattr(plan_f, name)] == [
+                r.request_id for r in getattr(plan_e, name)
+            ], f"{name}, {where}"
+        assert plan_f.admission_cap == plan_e.admission_cap, where
+        charged_f = plan_f.covered + plan_f.charged
+        sampling_f = {r.request_id for r in charged_f if samples(r, step, 64)}
+        assert sampling_f == {r.request_id for r in plan_e.charged}, where
+        # Upstream: the running requests not skipped, then admission through the gate.
+        skipped_ids = {r.request_id for r in plan_e.throttled + plan_e.parked + plan_e.victims}
+        scheduled = {}
+        for request in running:
+            if request.request_id in skipped_ids:
+                continue
+            request.is_prefill_chunk = request.num_prompt_tokens > 64
+            if samples(request, step, 64) or request.is_prefill_chunk:
+                scheduled[request.request_id] = 64 if request.is_prefill_chunk else 1
+        num_free = max_running - (len(running) - len(plan_e.victims))
+        admitted: list[Req] = []
+        for queue in queues:
+            for user in queue.users():
+                for request in list(queue.by_user[user]):
+                    admits = gate_f.admits(user, request)
+                    assert admits == gate_e.admits(user, request), where
+                    if not admits:
+                        break
+                    if len(admitted) < num_free and rng.random() < 0.8:
+                        queue.by_user[user].remove(request)
+                        admitted.append(request)
+                        scheduled[request.request_id] = 12
+        fast.settle(plan_f, gate_f, scheduled, step)
+        exact.settle(plan_e, gate_e, scheduled, step)
+        for user in rates:
+            assert fast.limiter.num_available(user, 10**6) == exact.limiter.num_available(
+                user, 10**6
+            ), f"{user}, {where}"
+        assert fast.wakeup_ns == exact.wakeup_ns, where
+        assert fast.take_usage() == exact.take_usage(), where
+        assert fast.reclaim_stats == exact.reclaim_stats, where
+        # The adapter's part: skipped requests wait a step and go to the tail;
+        # victims go back to their user's queue; some requests finish.
+        for request in plan_e.throttled + plan_e.parked:
+            request.next_decode_eligible_step = max(request.next_decode_eligible_step, step + 1)
+        for request in plan_e.victims:
+            queues[1].by_user.setdefault(users[request.request_id], []).insert(0, request)
+        kept = [r for r in running if r.request_id not in skipped_ids]
+        running = [r for r in kept if rng.random() > 0.1] + plan_e.throttled + plan_e.parked
+        running += admitted
+        for request in admitted:
+            request.is_prefill_chunk = False

@@ -53,9 +53,9 @@ class CountingLimiter(OutputRateLimiter):
             self.net_taken[user] += num_got.get(user, num)
         return num_got
 
-    def refund(self, user: str) -> None:
-        super().refund(user)
-        self.net_taken[user] -= 1
+    def refund(self, user: str, num: int = 1) -> None:
+        super().refund(user, num)
+        self.net_taken[user] -= num
 
 
 def spy_limiter(scheduler, clock: FakeClock) -> CountingLimiter:

@@ -11,6 +11,7 @@ import random
 import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from engine_ext.planner import AdmissionGate, StepPlan, StepPlanner
 from harness.scheduler import (
     FakeClock,
     compile_grammar,
@@ -152,3 +153,37 @@ def test_same_decisions_as_upstream(
         assert preempted > 0, "the trace should exercise preemption"
     for step, (want, got) in enumerate(zip(upstream, ours, strict=True)):
         assert got == want, f"step {step} differs"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_upstream_schedules_only_running_requests_and_those_the_gate_admitted(
+    scenario: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """settle() counts covered requests instead of looking each one up, which is
+    exact only if upstream schedules nothing but the requests running when the
+    plan was made and those its admission took through the gate. Checked at
+    every step with a binding limit, against looking every request up."""
+    running_at_plan: list[set[str]] = []
+    num_steps = [0, 0]  # checked, with a charged request left unscheduled
+    real_plan, real_all_scheduled = StepPlanner.plan, StepPlanner._all_scheduled
+
+    def plan(self: StepPlanner, running, *args):  # type: ignore[no-untyped-def]
+        running_at_plan.append({r.request_id for r in running})
+        return real_plan(self, running, *args)
+
+    def all_scheduled(plan: StepPlan, gate: AdmissionGate, num_scheduled) -> bool:  # type: ignore[no-untyped-def]
+        assert num_scheduled.keys() <= running_at_plan.pop() | gate.charged.keys()
+        charged = plan.covered + plan.charged + list(gate.charged.values())
+        looked_up = all(r.request_id in num_scheduled for r in charged)
+        assert real_all_scheduled(plan, gate, num_scheduled) == looked_up
+        num_steps[0] += 1
+        num_steps[1] += not looked_up
+        return looked_up
+
+    monkeypatch.setattr(StepPlanner, "plan", plan)
+    monkeypatch.setattr(StepPlanner, "_all_scheduled", staticmethod(all_scheduled))
+    run(scenario, limited=True, async_scheduling=async_scheduling, default_rate=150)
+    assert num_steps[0] > 100
+    if scenario != "long-prefill":
+        assert num_steps[1] > 0, "the trace should leave a charged request unscheduled"
