@@ -132,8 +132,8 @@ async def list_limits(
 @router.post("/limits:bulk", response_model=BulkOut)
 async def bulk_put_limits(body: BulkIn, db: DatabaseDep, principal: WriterDep) -> dict[str, Any]:
     items = [(i.user, i.output_tokens_per_second, i.tier) for i in body.items]
-    result = await db.write_batch(services.bulk_put_limits, actor=principal.name, items=items)
-    return result
+    change = await db.write_batch(services.bulk_put_limits, actor=principal.name, items=items)
+    return change.result
 
 
 @router.get("/limits/{user}", response_model=LimitOut)
@@ -145,14 +145,14 @@ async def get_limit(user: UserPath, db: DatabaseDep, _: ReaderDep) -> dict[str, 
 async def put_limit(
     user: UserPath, body: LimitIn, db: DatabaseDep, principal: WriterDep
 ) -> dict[str, Any]:
-    view = await db.write(
+    change = await db.write(
         services.put_limit,
         actor=principal.name,
         user=user,
         rate=body.output_tokens_per_second,
         tier=body.tier,
     )
-    return view
+    return change.result
 
 
 @router.patch(
@@ -165,8 +165,8 @@ async def patch_limit(
     user: UserPath, body: LimitPatch, db: DatabaseDep, principal: WriterDep
 ) -> dict[str, Any]:
     changes = body.model_dump(include=body.model_fields_set)
-    view = await db.write(services.patch_limit, actor=principal.name, user=user, changes=changes)
-    return view
+    change = await db.write(services.patch_limit, actor=principal.name, user=user, changes=changes)
+    return change.result
 
 
 @router.delete("/limits/{user}", status_code=status.HTTP_204_NO_CONTENT)
@@ -189,14 +189,14 @@ async def get_tier(name: TierPath, db: DatabaseDep, _: ReaderDep) -> dict[str, A
 async def put_tier(
     name: TierPath, body: TierIn, db: DatabaseDep, principal: WriterDep
 ) -> dict[str, Any]:
-    view = await db.write(
+    change = await db.write(
         services.put_tier,
         actor=principal.name,
         name=name,
         rate=body.output_tokens_per_second,
         description=body.description,
     )
-    return view
+    return change.result
 
 
 @router.patch(
@@ -210,8 +210,8 @@ async def patch_tier(
     name: TierPath, body: TierPatch, db: DatabaseDep, principal: WriterDep
 ) -> dict[str, Any]:
     changes = body.model_dump(include=body.model_fields_set)
-    view = await db.write(services.patch_tier, actor=principal.name, name=name, changes=changes)
-    return view
+    change = await db.write(services.patch_tier, actor=principal.name, name=name, changes=changes)
+    return change.result
 
 
 @router.delete(
@@ -229,10 +229,10 @@ async def get_default(db: DatabaseDep, _: ReaderDep) -> dict[str, Any]:
 
 @router.put("/default-limit", response_model=DefaultOut)
 async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) -> dict[str, Any]:
-    view = await db.write(
+    change = await db.write(
         services.put_default, actor=principal.name, rate=body.output_tokens_per_second
     )
-    return view
+    return change.result
 
 
 @router.get("/engines", response_model=EngineList)

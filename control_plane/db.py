@@ -22,8 +22,9 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import anyio.to_thread
 from sqlalchemy import Connection, create_engine, event
@@ -39,8 +40,6 @@ WRITE_OPTION = "output_rate_write"
 # With WRITE_OPTION on SQLite: take the write lock now or fail at once, never wait.
 NO_WAIT_OPTION = "output_rate_no_wait"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-# connection.info key: the config version a write produced, for the on_commit hooks.
-NEW_VERSION_KEY = "output_rate_new_version"
 # More connections than the server's 40 worker threads: a thread holding a connection
 # must never wait for one blocked on the pool.
 _POOL: dict[str, Any] = {"pool_size": 10, "max_overflow": 40}
@@ -88,9 +87,14 @@ def _configure_sqlite(engine: Engine) -> None:
             dbapi_connection.execute("BEGIN IMMEDIATE")
 
 
-def mark_new_version(conn: Connection, version: int) -> None:
-    """Record that this transaction produced `version` (hooks run after its commit)."""
-    conn.info[NEW_VERSION_KEY] = version
+@dataclass(frozen=True)
+class ConfigChange(Generic[T]):
+    """What a write of the limit configuration returns: its result and the config
+    version it made (None: it changed nothing). `Database` hands the version to its
+    `on_commit` hooks once the transaction has committed."""
+
+    result: T
+    new_version: int | None
 
 
 class _WriteLockBusy(Exception):
@@ -135,9 +139,8 @@ class Database:
     def write_now(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs
     ) -> T:
-        result, version = self._write(lambda conn: fn(conn, *a, **kw))
-        if version is not None:
-            self.notify(version)
+        result = self._write(lambda conn: fn(conn, *a, **kw))
+        self._after_commit(result)
         return result
 
     async def read(
@@ -166,12 +169,11 @@ class Database:
         thread); if another writer holds it, it queues on the writer thread instead."""
         if self._on_loop:
             try:
-                result, version = self._write(lambda conn: fn(conn, *a, **kw), wait=False)
+                result = self._write(lambda conn: fn(conn, *a, **kw), wait=False)
             except _WriteLockBusy:
                 pass
             else:
-                if version is not None:
-                    self.notify(version)
+                self._after_commit(result)
                 return result
         return await self.write_batch(fn, *a, **kw)
 
@@ -191,16 +193,13 @@ class Database:
                 self._inline_connections.append(conn)
         return conn
 
-    def _write(self, work: Callable[[Connection], T], *, wait: bool = True) -> tuple[T, int | None]:
+    def _write(self, work: Callable[[Connection], T], *, wait: bool = True) -> T:
         if not wait:
             return self._run_write(self._inline_connection(), work, wait=False)
         with self.engine.connect() as conn:
             return self._run_write(conn, work, wait=True)
 
-    def _run_write(
-        self, conn: Connection, work: Callable[[Connection], T], *, wait: bool
-    ) -> tuple[T, int | None]:
-        conn.info.pop(NEW_VERSION_KEY, None)
+    def _run_write(self, conn: Connection, work: Callable[[Connection], T], *, wait: bool) -> T:
         # Read by the "begin" event only. Connection.execution_options changes the
         # connection in place, so the inline connection is set back for its next read.
         conn.execution_options(**{WRITE_OPTION: True, NO_WAIT_OPTION: not wait})
@@ -212,12 +211,12 @@ class Database:
             raise
         finally:
             conn.execution_options(**{WRITE_OPTION: False, NO_WAIT_OPTION: False})
-        try:
-            with transaction:
-                result = work(conn)
-        finally:
-            version: int | None = conn.info.pop(NEW_VERSION_KEY, None)
-        return result, version
+        with transaction:
+            return work(conn)
+
+    def _after_commit(self, result: object) -> None:
+        if isinstance(result, ConfigChange) and result.new_version is not None:
+            self.notify(result.new_version)
 
     def notify(self, version: int) -> None:
         for hook in list(self.on_commit):

@@ -1,6 +1,7 @@
 """The rules of the limit model. Every write bumps the config version once, in
 the same transaction as the change, its audit entry and its change-log row;
-a write that changes nothing writes nothing.
+a write that changes nothing writes nothing. A write of the configuration returns
+a `ConfigChange`: its view and the version it made.
 
 Each function takes the Connection of one transaction (control_plane.db.Database runs
 it); the caller commits."""
@@ -19,7 +20,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from control_plane import repository as repo
-from control_plane.db import mark_new_version
+from control_plane.db import ConfigChange
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.repository import State, UserRecord
 from engine_ext import protocol as p
@@ -248,7 +249,6 @@ def _record(
         before=before,
         after=after,
     )
-    mark_new_version(conn, version)
     return version
 
 
@@ -275,7 +275,7 @@ def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dic
 
 def put_limit(
     conn: Connection, *, actor: str, user: str, rate: int | None, tier: str | None
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     state = repo.lock_config(conn)
     tier_rate = _tier_rate(conn, tier)
     record = repo.get_user(conn, user)
@@ -294,7 +294,7 @@ def put_limit(
 
 def patch_limit(
     conn: Connection, *, actor: str, user: str, changes: dict[str, Any]
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     """JSON merge patch of a user's record: only the keys in `changes`
     ("output_tokens_per_second", "tier") change; the others keep their value.
     A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
@@ -305,13 +305,14 @@ def patch_limit(
     tier = merged["tier"]
     tier_rate = _tier_rate(conn, tier)
     if record is None and merged == current:
-        return limit_view(
+        view = limit_view(
             user=user,
             record=None,
             tier_rate=None,
             state_version=state.version,
             default_rate=state.default_rate,
         )
+        return ConfigChange(view, None)
     return _set_user(
         conn,
         state,
@@ -336,10 +337,11 @@ def _set_user(
     rate: int | None,
     tier: str | None,
     tier_rate: int | None,
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     """Write the user's new record (if it differs) as one version; return its view."""
     before = _user_record(record)
     after = {"tier": tier, "output_tokens_per_second": rate}
+    version = None
     if before != after:
         version = _record(
             conn,
@@ -359,21 +361,22 @@ def _set_user(
             repo.update_users(conn, [(user, new_record)])
         repo.add_tier_users(conn, _tier_deltas([(record, tier)]))
         record, state = new_record, state._replace(version=version)
-    return limit_view(
+    view = limit_view(
         user=user,
         record=record,
         tier_rate=tier_rate,
         state_version=state.version,
         default_rate=state.default_rate,
     )
+    return ConfigChange(view, version)
 
 
-def delete_limit(conn: Connection, *, actor: str, user: str) -> None:
+def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[None]:
     state = repo.lock_config(conn)
     record = repo.get_user(conn, user)
     if record is None:
-        return
-    _record(
+        return ConfigChange(None, None)
+    version = _record(
         conn,
         state,
         actor=actor,
@@ -386,11 +389,12 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> None:
     )
     repo.delete_user(conn, user)
     repo.add_tier_users(conn, _tier_deltas([(record, None)]))
+    return ConfigChange(None, version)
 
 
 def bulk_put_limits(
     conn: Connection, *, actor: str, items: Sequence[tuple[str, int | None, str | None]]
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     """Apply up to MAX_BULK_ITEMS (user, rate, tier) records as one version."""
     if len(items) > MAX_BULK_ITEMS:
         raise InvalidInput(f"items: at most {MAX_BULK_ITEMS} per request", field="items")
@@ -417,7 +421,7 @@ def bulk_put_limits(
         if _user_record(existing.get(user)) != {"tier": tier, "output_tokens_per_second": rate}
     ]
     if not changed:
-        return {"version": state.version, "num_changed": 0}
+        return ConfigChange({"version": state.version, "num_changed": 0}, None)
     num_new = sum(1 for user, _, _ in changed if user not in existing)
     version = _record(
         conn,
@@ -440,12 +444,12 @@ def bulk_put_limits(
         [(u, UserRecord(t, r, version)) for u, r, t in changed if u in existing],
     )
     repo.add_tier_users(conn, _tier_deltas((existing.get(u), t) for u, _, t in changed))
-    return {"version": version, "num_changed": len(changed)}
+    return ConfigChange({"version": version, "num_changed": len(changed)}, version)
 
 
 def put_tier(
     conn: Connection, *, actor: str, name: str, rate: int | None, description: str | None
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     new_description = description if description is not None else (tier.description if tier else "")
@@ -463,7 +467,7 @@ def put_tier(
 
 def patch_tier(
     conn: Connection, *, actor: str, name: str, changes: dict[str, Any]
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     """JSON merge patch of an existing tier: only the keys in `changes`
     ("output_tokens_per_second", "description") change. A description of null is empty.
     An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
@@ -495,7 +499,7 @@ def _set_tier(
     tier: repo.TierRow | None,
     rate: int | None,
     description: str,
-) -> dict[str, Any]:
+) -> ConfigChange[dict[str, Any]]:
     """Write the tier's new rate and description (if they differ) as one version."""
     before = (
         None
@@ -505,7 +509,7 @@ def _set_tier(
     after = {"output_tokens_per_second": rate, "description": description}
     if before == after:
         assert tier is not None
-        return tier_view(tier)
+        return ConfigChange(tier_view(tier), None)
     version = _record(
         conn,
         state,
@@ -522,10 +526,10 @@ def _set_tier(
     else:
         repo.update_tier(conn, name=name, rate=rate, description=description, version=version)
         tier = tier._replace(rate=rate, description=description, version=version)
-    return tier_view(tier)
+    return ConfigChange(tier_view(tier), version)
 
 
-def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
+def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None]:
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     if tier is None:
@@ -533,7 +537,7 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
     # The EXISTS (one index probe) guards against the counter ever drifting.
     if tier.num_users or repo.tier_has_users(conn, name):
         raise Conflict(f"tier {name!r} still has {tier.num_users} users assigned", field="name")
-    _record(
+    version = _record(
         conn,
         state,
         actor=actor,
@@ -544,12 +548,13 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> None:
         ops=[p.DeleteTier(name=name)],
     )
     repo.delete_tier(conn, name)
+    return ConfigChange(None, version)
 
 
-def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, Any]:
+def put_default(conn: Connection, *, actor: str, rate: int | None) -> ConfigChange[dict[str, Any]]:
     state = repo.lock_config(conn)
     if state.default_rate == rate:
-        return {"output_tokens_per_second": rate, "version": state.version}
+        return ConfigChange({"output_tokens_per_second": rate, "version": state.version}, None)
     version = _record(
         conn,
         state,
@@ -561,7 +566,7 @@ def put_default(conn: Connection, *, actor: str, rate: int | None) -> dict[str, 
         ops=[p.SetDefault(rate=rate)],
     )
     repo.set_default_rate(conn, rate)
-    return {"output_tokens_per_second": rate, "version": version}
+    return ConfigChange({"output_tokens_per_second": rate, "version": version}, version)
 
 
 def _json_size(value: Any) -> int:

@@ -8,14 +8,16 @@ import threading
 from sqlalchemy import Connection
 
 from control_plane import services
-from control_plane.db import Database, make_engine
+from control_plane.db import ConfigChange, Database, make_engine
 from tests.control_plane.factories import writers_lock_held
 
 
-def _put(conn: Connection, *, user: str, rate: int) -> tuple[str, int]:
+def _put(conn: Connection, *, user: str, rate: int) -> ConfigChange[tuple[str, int]]:
     """put_limit, and the thread it ran on."""
-    view = services.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
-    return threading.current_thread().name, view["version"]
+    change = services.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
+    return ConfigChange(
+        (threading.current_thread().name, change.result["version"]), change.new_version
+    )
 
 
 def test_small_write_runs_on_the_loop_when_the_lock_is_free(db_url: str) -> None:
@@ -24,7 +26,7 @@ def test_small_write_runs_on_the_loop_when_the_lock_is_free(db_url: str) -> None
     db.on_commit.append(seen.append)
 
     async def main() -> tuple[str, int]:
-        return await db.write(_put, user="alice", rate=5)
+        return (await db.write(_put, user="alice", rate=5)).result
 
     thread, version = asyncio.run(main())
     # SQLite: on the event loop's own thread; PostgreSQL (a network round trip): the
@@ -51,7 +53,7 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
                 await asyncio.sleep(0.01)
             assert not write.done()
             conn.rollback()
-        return await asyncio.wait_for(write, timeout=60)
+        return (await asyncio.wait_for(write, timeout=60)).result
 
     thread, version = asyncio.run(main())
     assert thread.startswith("output-rate-writer")
