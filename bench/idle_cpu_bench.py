@@ -44,7 +44,7 @@ import psutil
 
 from bench.e2e_bench import throughput
 from harness.client import stream_completion
-from harness.servers import Process, free_port, vllm_command, vllm_env
+from harness.servers import Process, free_port, vllm_command, vllm_env, wait_until_serving
 
 FLAGS = (
     "--default-user-output-tokens-per-second",
@@ -79,18 +79,7 @@ class Server(Process):
         super().__init__(command, log, env=env)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(self.log()[-3000:])
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError(self.log()[-3000:])
+        wait_until_serving(self, self.url)
         # The variant is what it claims: the worker patch logs from the worker.
         patched_worker = self.upstream is None or "worker" not in self.upstream
         if (WORKER_PATCH_LOG in self.log()) != patched_worker:

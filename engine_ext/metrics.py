@@ -258,9 +258,7 @@ def scheduler_snapshot(metrics: EngineMetrics, scheduler: Any) -> dict[str, Any]
         num_reclaims=stats.num_reclaims,
         num_tokens_dropped=stats.num_tokens_dropped,
         config_version=None if push is None else push.applied_version,
-        # In sync: holds a snapshot and is not waiting for a fresh one (a silent
-        # server or a gap make the client resync).
-        connected=None if push is None else push.has_snapshot and not push._resyncing,
+        connected=None if push is None else push.is_in_sync,
     )
 
 

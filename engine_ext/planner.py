@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, is_
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine_ext.limiter import OutputRateLimiter
 
@@ -143,9 +143,10 @@ class AdmissionGate:
 
 
 class StepPlanner:
-    def __init__(self, limiter: OutputRateLimiter, users: dict[str, str]) -> None:
+    def __init__(self, limiter: OutputRateLimiter, users: Mapping[Any, str]) -> None:
         self.limiter = limiter
-        # request id -> rate-limit identity (owned by the adapter).
+        # request -> rate-limit identity, for every request the scheduler holds
+        # (owned by the adapter). Keyed by the object: hashing it reads no field.
         self.users = users
         # Earliest time a user refused in the last step gets budget again.
         self.wakeup_ns: int | None = None
@@ -220,7 +221,7 @@ class StepPlanner:
         if len(running) == len(last) and all(map(is_, running, last)):
             num_running = self._last_num_running
         else:
-            num_running = Counter(map(users.__getitem__, map(_REQUEST_ID, running)))
+            num_running = Counter(map(users.__getitem__, running))
             self._last_running, self._last_num_running = list(running), num_running
         limiter = self.limiter
         # user -> tokens it got of those asked for: the users not covered.
@@ -246,7 +247,7 @@ class StepPlanner:
         covered = plan.covered
         rest: list[RequestLike] = []
         for request in running:
-            (rest if users[request.request_id] in uncovered else covered).append(request)
+            (rest if users[request] in uncovered else covered).append(request)
         return rest
 
     def _charge_running(
@@ -281,7 +282,7 @@ class StepPlanner:
             charge(request)
         # One limiter call per step: a user with several streams asks for all
         # of their tokens at once. (map/attrgetter keep the per-request work in C.)
-        num_wanted = Counter(map(self.users.__getitem__, map(_REQUEST_ID, charged)))
+        num_wanted = Counter(map(self.users.__getitem__, charged))
         num_got = self.limiter.take_many(num_wanted)
         if num_got:
             self._rotate_contended(plan, num_got)
@@ -301,7 +302,7 @@ class StepPlanner:
         refused: dict[str, list[RequestLike]] = {}
         kept: list[RequestLike] = []
         for request in plan.charged:
-            user = users[request.request_id]
+            user = users[request]
             streams = streams_of.get(user)
             if streams is None:
                 kept.append(request)
@@ -362,7 +363,7 @@ class StepPlanner:
             users = self.users
             by_user: dict[str, list[RequestLike]] = {}
             for request in plan.charged:
-                by_user.setdefault(users[request.request_id], []).append(request)
+                by_user.setdefault(users[request], []).append(request)
             plan.granted_by_user = by_user
         return plan.granted_by_user
 
@@ -435,7 +436,7 @@ class StepPlanner:
             stats.num_reclaims += 1
             stats.num_tokens_dropped += victim.num_computed_tokens
             self._reclaimed.add(victim.request_id)
-        return {self.users[r.request_id] for r in victims}
+        return {self.users[r] for r in victims}
 
     def _admissible_waiting(self, waiting: tuple[WaitingLike, ...], limit: int) -> dict[str, int]:
         """user -> how many of its waiting requests (up to ``limit`` in all) its
@@ -481,7 +482,7 @@ class StepPlanner:
         for request in plan.throttled:
             if protected.get(request.request_id, 0) > step:
                 continue
-            candidates.setdefault(users[request.request_id], []).append(request)
+            candidates.setdefault(users[request], []).append(request)
         for requests in candidates.values():
             requests.sort(key=lambda r: (-r.num_computed_tokens, r.arrival_time))
         ready_at = self.limiter.ready_at_ns
@@ -537,7 +538,7 @@ class StepPlanner:
             ]
         refund = self.limiter.refund
         for request in unsampled:
-            refund(users[request.request_id])
+            refund(users[request])
         if self._reclaimed:
             self._protect_readmitted(gate, num_scheduled, step)
         if self.count_granted:
@@ -576,9 +577,9 @@ class StepPlanner:
     ) -> None:
         users = self.users
         num_sampled = Counter(plan.num_covered)
-        num_sampled.update([users[r.request_id] for r in plan.charged])
-        num_sampled.update([users[r_id] for r_id in gate.charged])
-        num_sampled.subtract([users[r.request_id] for r in unsampled])
+        num_sampled.update([users[r] for r in plan.charged])
+        num_sampled.update([users[r] for r in gate.charged.values()])
+        num_sampled.subtract([users[r] for r in unsampled])
         num_granted = self.num_granted
         for user, num in num_sampled.items():
             if num > 0:
@@ -591,17 +592,15 @@ class StepPlanner:
         return usage
 
     def cleanup(self, live: Container[str], step: int) -> None:
-        """Forget finished requests and idle users (``live``: request ids still known)."""
+        """Forget idle users and the reclaim state of finished requests (``live``:
+        request ids still known)."""
         self.limiter.cleanup_idle_users()
         self._last_running, self._last_num_running = [], Counter()
-        users = self.users
-        for req_id in [r for r in users if r not in live]:
-            del users[req_id]
         self._reclaimed = {r for r in self._reclaimed if r in live}
         protected = self._reclaim_protected_until
         for req_id in [r for r, until in protected.items() if until <= step or r not in live]:
             del protected[req_id]
-        live_users = set(users.values())
+        live_users = set(self.users.values())
         for table in (self._last_served_req, self._last_slot_step):
             for user in [u for u in table if u not in live_users]:
                 del table[user]

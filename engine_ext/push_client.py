@@ -124,6 +124,12 @@ class PushClient:
 
     # ---- engine thread --------------------------------------------------
 
+    @property
+    def is_in_sync(self) -> bool:
+        """Holds a snapshot and is not waiting for a fresh one (a silent server or
+        a gap in the versions make the client resync)."""
+        return self.has_snapshot and not self._resyncing
+
     def start(self) -> None:
         if self._server_public_key is not None and self._client_secret_key is None:
             logger.warning(

@@ -76,6 +76,7 @@ class OutputRateMixin:
     waiting: Any
     kv_holding_waiting: Any
     requests: dict[str, Request]
+    finished_req_ids: set[str]
     current_step: int
     max_num_active_reqs: int
     max_num_running_reqs: int
@@ -88,9 +89,11 @@ class OutputRateMixin:
         vllm_compat.check_vllm_version()
         self.output_rate_config = OutputRateConfig.from_vllm_config(vllm_config)
         self.output_rate_clock_ns: Callable[[], int] = time.monotonic_ns
-        # request id -> rate-limit identity, for every request added and not
-        # yet pruned (finished requests go at the next cleanup).
-        self.output_rate_users: dict[str, str] = {}
+        # request -> rate-limit identity, for every request the scheduler holds
+        # (added in add_request, dropped once upstream has freed the request).
+        self.output_rate_users: dict[Request, str] = {}
+        # request id -> request, for the same requests (upstream names freed ones by id).
+        self._output_rate_requests: dict[str, Request] = {}
         self.output_rate_planner = StepPlanner(
             OutputRateLimiter(
                 self.output_rate_config.default_rate, self.output_rate_config.user_rates
@@ -139,15 +142,35 @@ class OutputRateMixin:
         )
 
     def _user_of(self, request: Request) -> str:
-        return self.output_rate_users[request.request_id]
+        return self.output_rate_users[request]
+
+    def _forget_freed_requests(self) -> None:
+        """Drop the requests upstream freed since its last ``schedule()``.
+
+        Upstream lists their ids in ``finished_req_ids`` until its next
+        ``schedule()`` ends (and frees none inside one).
+        """
+        known = self._output_rate_requests
+        for req_id in self.finished_req_ids:
+            request = known.get(req_id)
+            if request is not None and self.requests.get(req_id) is not request:
+                del known[req_id], self.output_rate_users[request]
 
     # ---- vLLM hooks -----------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.output_rate_users.setdefault(request.request_id, request_user(request))
+        # A request id the scheduler holds is a streaming session's next input,
+        # merged by upstream into the request it has.
+        if request.request_id not in self.requests:
+            old = self._output_rate_requests.pop(request.request_id, None)
+            if old is not None:  # the id of a request freed since the last step
+                del self.output_rate_users[old]
+            self.output_rate_users[request] = request_user(request)
+            self._output_rate_requests[request.request_id] = request
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._forget_freed_requests()
         self.apply_control_plane_updates()
         planner = self.output_rate_planner
         if planner.limiter.is_unlimited:

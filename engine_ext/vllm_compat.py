@@ -22,8 +22,9 @@ What the product depends on, by module:
   ``SpinCondition`` of ``rpc_broadcast_mq`` (``is_reader``, ``busy_loop_s``,
   ``last_read``, ``wait``): an idle worker parks.
 - scheduler.py: subclasses ``Scheduler`` and ``AsyncScheduler`` and wraps
-  their ``schedule``, ``add_request``, ``has_requests`` and ``shutdown``;
-  reads ``running``, ``requests``, ``current_step``, ``max_num_running_reqs``,
+  their ``schedule``, ``add_request``, ``has_requests`` and ``make_stats``;
+  reads ``running``, ``requests``, ``finished_req_ids`` (the ids freed since
+  the last ``schedule()``, which frees none itself), ``current_step``, ``max_num_running_reqs``,
   ``max_num_scheduled_tokens``, ``num_waiting_for_streaming_input``,
   ``policy``; sets ``max_num_active_reqs`` for one step and replaces
   ``waiting`` and ``kv_holding_waiting``; preempts through

@@ -126,19 +126,24 @@ class VllmServer(Process):
         )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with {self.popen.returncode}:\n{self.log()[-4000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM not ready in {STARTUP_TIMEOUT_S}s:\n{self.log()[-4000:]}")
+        wait_until_serving(self, self.url)
+
+
+def wait_until_serving(server: Process, url: str) -> None:
+    """Until the vLLM server at ``url`` lists its models; raises with its log if it exits."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.popen.poll() is not None:
+            raise RuntimeError(
+                f"vLLM exited with {server.popen.returncode}:\n{server.log()[-4000:]}"
+            )
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vLLM not ready in {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
 
 
 class ControlPlane(Process):

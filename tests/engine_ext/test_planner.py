@@ -19,7 +19,7 @@ from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, Slots, StepPlanner
 NOW_NS = 10_000_000_000
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity, as vLLM's Request
 class Req:
     request_id: str
     num_prompt_tokens: int = 8
@@ -55,15 +55,15 @@ class Queue:
 def make_planner(rates: dict[str, int | None], default: int | None = None):
     clock = [NOW_NS]
     limiter = OutputRateLimiter(default, rates, clock_ns=lambda: clock[0])
-    users: dict[str, str] = {}
+    users: dict[Req, str] = {}
     return StepPlanner(limiter, users), users, clock
 
 
-def add(users: dict[str, str], user: str, n: int, **kwargs) -> list[Req]:
+def add(users: dict[Req, str], user: str, n: int, **kwargs) -> list[Req]:
     start = len(users)
     reqs = [Req(f"{user}-{start + i}", **kwargs) for i in range(n)]
     for r in reqs:
-        users[r.request_id] = user
+        users[r] = user
     return reqs
 
 
@@ -81,7 +81,7 @@ def test_planner_imports_nothing_from_vllm() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def four_kinds_of_running(users: dict[str, str], user: str) -> list[Req]:
+def four_kinds_of_running(users: dict[Req, str], user: str) -> list[Req]:
     """A decode, a long prefill mid-way, a decode skipped by upstream's cadence,
     and an async look-ahead whose placeholder already reaches max_tokens."""
     return [
@@ -138,14 +138,14 @@ def test_ready_requests_beyond_the_active_cap_are_parked_fairly() -> None:
     x, y = add(users, "x", 3), add(users, "y", 3)
     before = planner.limiter.num_available("x", 1000)
     first, gate = planner.plan(x + y, (Queue(),), slots(6, max_active=2), step=1)
-    assert {users[r.request_id] for r in first.charged} == {"x"}
+    assert {users[r] for r in first.charged} == {"x"}
     assert len(first.parked) == 4
     # Parked requests were refunded: x paid for the two that got a slot only.
     assert planner.limiter.num_available("x", 1000) == before - 2
     planner.settle(first, gate, {r.request_id: 1 for r in first.charged}, step=1)
     # The user given the slots least recently goes first next time.
     second, _ = planner.plan(x + y, (Queue(),), slots(6, max_active=2), step=2)
-    assert {users[r.request_id] for r in second.charged} == {"y"}
+    assert {users[r] for r in second.charged} == {"y"}
 
 
 def test_a_waiting_stream_takes_a_running_streams_turn_only_with_a_free_slot() -> None:
@@ -270,7 +270,7 @@ def run_fast_and_exact_side_by_side(seed: int) -> None:
     rng = random.Random(seed)
     rates = {f"u{i}": rng.choice([None, 1, 5, 20, 50, 1000]) for i in range(5)}
     clock = [NOW_NS]
-    users: dict[str, str] = {}
+    users: dict[Req, str] = {}
     fast = StepPlanner(OutputRateLimiter(None, rates, clock_ns=lambda: clock[0]), users)
     exact = StepPlanner(OutputRateLimiter(None, rates, clock_ns=lambda: clock[0]), users)
     exact._charge_covered = lambda plan, running, waiting: running  # type: ignore[method-assign]
@@ -281,7 +281,7 @@ def run_fast_and_exact_side_by_side(seed: int) -> None:
 
     def new_request(user: str) -> Req:
         request = random_request(rng, f"{user}-{next(ids)}")
-        users[request.request_id] = user
+        users[request] = user
         return request
 
     running = [new_request(rng.choice(list(rates))) for _ in range(rng.randrange(max_running))]
@@ -339,7 +339,7 @@ def run_fast_and_exact_side_by_side(seed: int) -> None:
         for request in plan_e.throttled + plan_e.parked:
             request.next_decode_eligible_step = max(request.next_decode_eligible_step, step + 1)
         for request in plan_e.victims:
-            queues[1].by_user.setdefault(users[request.request_id], []).insert(0, request)
+            queues[1].by_user.setdefault(users[request], []).insert(0, request)
         kept = [r for r in running if r.request_id not in skipped_ids]
         running = [r for r in kept if rng.random() > 0.1] + plan_e.throttled + plan_e.parked
         running += admitted

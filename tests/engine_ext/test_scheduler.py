@@ -350,3 +350,22 @@ def test_hot_swapped_limit_applies_at_the_next_step(async_scheduling: bool) -> N
     assert 19 <= len(before.samples) <= 22
     times = [t for t, _ in after.samples if t >= changed_at]
     assert 0.95 * 100 <= len(times) <= 2 * 50 + 0.1 * 50 + 1 + 1
+
+
+@MODES
+def test_the_user_table_holds_the_requests_the_scheduler_holds_and_no_more(
+    async_scheduling: bool,
+) -> None:
+    clock = FakeClock()
+    sched = make_scheduler(
+        async_scheduling=async_scheduling, user_rates={"a": 1000}, max_num_seqs=2, clock=clock
+    )
+    short = [make_request("a", max_tokens=3) for _ in range(4)]
+    long = make_request("b", max_tokens=80)
+    for request in [*short, long]:
+        sched.add_request(request)
+    sched.finish_requests(short[3].request_id, RequestStatus.FINISHED_ABORTED)  # while waiting
+    drive(sched, num_steps=30, clock=clock, step_ms=10)
+    sched.schedule()  # drops what the last update freed
+    assert list(sched.output_rate_users) == [long]
+    assert list(sched.requests.values()) == [long]
