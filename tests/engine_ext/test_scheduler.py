@@ -369,3 +369,28 @@ def test_the_user_table_holds_the_requests_the_scheduler_holds_and_no_more(
     sched.schedule()  # drops what the last update freed
     assert list(sched.output_rate_users) == [long]
     assert list(sched.requests.values()) == [long]
+
+
+@MODES
+def test_a_streaming_sessions_next_inputs_keep_the_sessions_entry(async_scheduling: bool) -> None:
+    clock = FakeClock()
+    sched = make_scheduler(async_scheduling=async_scheduling, user_rates={"a": 1000}, clock=clock)
+
+    def session_input(*, resumable: bool = True):  # type: ignore[no-untyped-def]
+        request = make_request("a", max_tokens=3, request_id="session")
+        request.resumable = resumable
+        return request
+
+    session = session_input()
+    sched.add_request(session)
+    drive(sched, num_steps=10, clock=clock, step_ms=10)
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    sched.add_request(session_input())  # the next input chunk, merged into the session
+    assert list(sched.output_rate_users) == [session]
+    assert session.status == RequestStatus.WAITING
+    drive(sched, num_steps=10, clock=clock, step_ms=10)
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ  # served, paused again
+    sched.add_request(session_input(resumable=False))  # the end of the session
+    sched.schedule()
+    assert session.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.output_rate_users and not sched.requests
