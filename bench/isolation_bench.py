@@ -14,7 +14,8 @@ beside the aggressor, alternating servers and repeating, so machine noise hits
 every configuration alike; the figures are the victim's p50/p99 TTFT and TPOT
 and the ratio beside/alone per server.
 
-Run: .venv/bin/python -m bench.isolation_bench [--rounds 2] [--out bench/results/isolation.md]
+Run: .venv/bin/python -m bench.isolation_bench [--rounds 2] [--servers plugin plain]
+     [--out bench/results/isolation.md]
 """
 
 from __future__ import annotations
@@ -170,13 +171,16 @@ def measure(url: str, out_dir: Path, label: str, *, beside: bool) -> dict[str, f
 
 
 def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace) -> str:
+    names = args.servers
+
     def med(server: str, case: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[(server, case)])
 
     lines = [
         "# Isolation: victim latency alone and beside an aggressor",
         "",
-        f"Command: `.venv/bin/python -m bench.isolation_bench --rounds {args.rounds}` "
+        f"Command: `.venv/bin/python -m bench.isolation_bench --rounds {args.rounds} "
+        f"--servers {' '.join(names)}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2 shared cores).",
         "",
         f"Both servers: tiny model, `--max-num-seqs {NUM_SLOTS}`; plugin also "
@@ -190,7 +194,7 @@ def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.N
         "| server | case | p50 TTFT ms | p99 TTFT ms | p50 TPOT ms | p99 TPOT ms |",
         "|---|---|---|---|---|---|",
     ]
-    for server in SERVERS:
+    for server in names:
         for case in ("alone", "beside"):
             cells = [f"{med(server, case, f'{p}_{m}'):.1f}" for m in METRICS for p in PERCENTILES]
             lines.append(f"| {server} | {case} | " + " | ".join(cells) + " |")
@@ -201,7 +205,7 @@ def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.N
         "| server | p50 TTFT | p99 TTFT | p50 TPOT | p99 TPOT |",
         "|---|---|---|---|---|",
     ]
-    for server in SERVERS:
+    for server in names:
         cells = [
             f"{med(server, 'beside', f'{p}_{m}') / med(server, 'alone', f'{p}_{m}'):.2f}"
             for m in METRICS
@@ -223,9 +227,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "isolation.md")
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        choices=list(SERVERS),
+        default=list(SERVERS),
+        help="which servers to measure (the ratios are per server)",
+    )
     args = parser.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="isolation-bench-"))
-    servers = {name: VllmServer(out_dir / f"{name}.log", *flags) for name, flags in SERVERS.items()}
+    servers = {name: VllmServer(out_dir / f"{name}.log", *SERVERS[name]) for name in args.servers}
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     try:
         for server in servers.values():
