@@ -33,17 +33,6 @@ MAX_AUDIT_INLINE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """The whole limit state at one version, as engines receive it."""
-
-    version: int
-    default_rate: int | None
-    tiers: dict[str, int | None]
-    # user -> (tier, override rate)
-    users: dict[str, tuple[str | None, int | None]]
-
-
-@dataclass(frozen=True)
 class EngineSeen:
     """An engine the push endpoint heard from."""
 
@@ -199,8 +188,8 @@ def current_version(conn: Connection) -> int:
     return repo.get_config(conn).version
 
 
-def load_snapshot(conn: Connection) -> Snapshot:
-    """Version, default, tiers and users as of one instant.
+def load_snapshot(conn: Connection) -> p.Snapshot:
+    """Version, default, tiers and users as of one instant, as engines receive them.
 
     PostgreSQL runs the reads in one REPEATABLE READ transaction (so a concurrent write
     is wholly in the snapshot or wholly after its version); one SQLite read transaction
@@ -209,7 +198,7 @@ def load_snapshot(conn: Connection) -> Snapshot:
     if not conn.in_transaction() and conn.dialect.name == "postgresql":
         conn.execution_options(isolation_level="REPEATABLE READ")
     state = repo.get_config(conn)
-    return Snapshot(
+    return p.Snapshot(
         version=state.version,
         default_rate=state.default_rate,
         tiers=repo.tier_rates(conn),

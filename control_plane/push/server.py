@@ -428,8 +428,7 @@ class PushServer:
         if cached is not None and cached[0] == self._db.read_now(services.current_version):
             return cached
         snap = self._db.read_now(services.load_snapshot)
-        message = p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users)
-        self._snapshot_cache = (snap.version, p.encode(message))
+        self._snapshot_cache = (snap.version, p.encode(snap))
         return self._snapshot_cache
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:

@@ -44,7 +44,7 @@ def write(db: Database, server: PushServer | None, fn: Callable, **kw) -> None:
 def expected(db: Database) -> tuple[int, int | None, dict[str, int | None]]:
     snap = db.read_now(services.load_snapshot)
     limiter = OutputRateLimiter(None)
-    LimitTable().load(p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users), limiter)
+    LimitTable().load(snap, limiter)
     return snap.version, limiter.default_rate, limiter.user_rates()
 
 

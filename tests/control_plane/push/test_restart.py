@@ -26,7 +26,6 @@ import zmq
 from control_plane import services
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
-from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.limits import LimitTable
 from engine_ext.push_client import PushClient
@@ -104,8 +103,7 @@ class ControlPlane:
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)
-        message = p.Snapshot(snap.version, snap.default_rate, snap.tiers, snap.users)
-        LimitTable().load(message, limiter)
+        LimitTable().load(snap, limiter)
         return snap.version, limiter.default_rate, limiter.user_rates()
 
     def write_while_down(self) -> None:
