@@ -37,6 +37,7 @@ import httpx
 SPARK = " ▁▂▃▄▅▆▇█"
 WINDOW_S = 2.0  # tokens/s is measured over this trailing window
 HISTORY = 60  # refreshes kept for the sparkline
+RETRY_PAUSE_S = 0.2  # before a stream cut by a connection error is reopened
 
 
 @dataclass
@@ -47,6 +48,8 @@ class UserView:
     token_times: deque[float] = field(default_factory=deque)
     ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     num_done: int = 0
+    # Streams cut by a transport error (a reset connection under load); retried.
+    num_failed: int = 0
     # When the request now in flight was sent, until its first token.
     pending_since: float | None = None
     # Tokens/s of the last finished request, first token to last.
@@ -103,9 +106,18 @@ async def keep_streaming(
     max_tokens: int,
     pause_s: float | list[float],
 ) -> None:
-    """One stream, reopened as it ends (after ``pause_s[0]`` if given as a list)."""
+    """One stream, reopened as it ends (after ``pause_s[0]`` if given as a list).
+
+    A connection error ends the stream, not the demo: counted, and reopened.
+    """
     while True:
-        await stream_once(client, url, model, view, max_tokens)
+        try:
+            await stream_once(client, url, model, view, max_tokens)
+        except httpx.TransportError:
+            view.num_failed += 1
+            view.pending_since = None
+            await asyncio.sleep(RETRY_PAUSE_S)
+            continue
         pause = pause_s[0] if isinstance(pause_s, list) else pause_s
         await asyncio.sleep(pause)
 
@@ -125,7 +137,9 @@ class Screen:
             v.history.append(rates[v.name])
         if not self.is_tty:
             cells = "  ".join(
-                f"{v.name}: {rates[v.name]:6.1f} tok/s ttft {self._ttft(v)}" for v in self.views
+                f"{v.name}: {rates[v.name]:6.1f} tok/s ttft {self._ttft(v)}"
+                + (f" ({v.num_failed} cut)" if v.num_failed else "")
+                for v in self.views
             )
             print(f"[{self.phase}] {cells}", flush=True)
             return
@@ -139,9 +153,10 @@ class Screen:
             spark = "".join(SPARK[min(8, round(8 * x / peak))] for x in v.history)
             p50 = f"{statistics.median(v.ttft_ms):.0f} ms" if v.ttft_ms else "-"
             stream = f"{v.last_stream_rate:.0f}" if v.last_stream_rate is not None else "-"
+            failed = f" ({v.num_failed} cut)" if v.num_failed else ""
             lines.append(
                 f"{v.name:8} {v.num_streams:>7} {rates[v.name]:>8.1f} {v.limit:>10} "
-                f"{stream:>9} {self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}"
+                f"{stream:>9} {self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}{failed}"
             )
         lines += [
             "",
@@ -175,7 +190,9 @@ async def run(args: argparse.Namespace) -> None:
         f"(UI {args.control_plane}/ui/)",
     )
     auth = {"Authorization": f"Bearer {args.token}"}
-    limits = httpx.Limits(max_connections=args.tenant_streams + 8)
+    # Idle connections are dropped before the server's keep-alive (uvicorn: 5 s)
+    # can close them under a request that reuses one.
+    limits = httpx.Limits(max_connections=args.tenant_streams + 8, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         model = (await client.get(f"{args.url}/v1/models")).json()["data"][0]["id"]
         normal_pause = [0.2]
