@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${OUTPUT_RATE_VENV:-$PWD/.venv}
 PY="$VENV/bin/python"
-DEMO_DIR=$PWD/.cache/demo
+DEMO_DIR=${DEMO_DIR:-$PWD/.cache/demo}
 mkdir -p "$DEMO_DIR"
 
 export OUTPUT_RATE_DATABASE_URL="sqlite:///$DEMO_DIR/output_rate.db"

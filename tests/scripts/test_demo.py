@@ -1,0 +1,50 @@
+"""`make demo` (scripts/demo.sh), the README's main job, end to end: the real
+control plane and vLLM engine, the 48-stream tenant, the operator's PUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.servers import ROOT, free_port
+
+PHASE_S = 6
+TIER_RATE = 20  # the demo's tier "free"
+
+
+def test_the_demo_limits_the_tenant_live_and_serves_the_normal_user(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DEMO_EXIT": "1",
+        "DEMO_PHASE_SECONDS": str(PHASE_S),
+        "DEMO_DIR": str(tmp_path),
+        "OUTPUT_RATE_VENV": sys.prefix,
+        "OUTPUT_RATE_PORT": str(free_port()),
+        "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "ENGINE_PORT": str(free_port()),
+    }
+    done = subprocess.run(
+        ["bash", "scripts/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
+    # Not a terminal: one line per refresh, "[phase] user: N tok/s ttft T ...".
+    limited = [line for line in done.stdout.splitlines() if line.startswith("[2/3")]
+    assert limited, done.stdout[-3000:]
+    last = re.search(
+        r"tenant:\s+([\d.]+) tok/s .* normal:\s+([\d.]+) tok/s ttft (\S+)", limited[-1]
+    )
+    assert last is not None, limited[-1]
+    tenant_rate, normal_rate, normal_ttft = float(last[1]), float(last[2]), last[3]
+    # Upper bounds only (the machine may be slow): the limit and its 100 ms burst,
+    # over the client's last 2 s and the engine's last 1 s.
+    assert tenant_rate <= TIER_RATE * 1.5, limited[-1]
+    assert normal_rate > 0 and not normal_ttft.startswith(">"), limited[-1]
+    usage_line = done.stdout.split("usage as the engines report it", 1)[1].splitlines()[1]
+    usage = {item["user"]: item for item in json.loads(usage_line)["items"]}
+    assert usage["tenant"]["limit"] == TIER_RATE
+    assert usage["tenant"]["output_tokens_per_second_1s"] <= TIER_RATE * 1.5
