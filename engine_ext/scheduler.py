@@ -87,6 +87,8 @@ class OutputRateMixin:
 
     def _init_output_rate(self, vllm_config: Any) -> None:
         vllm_compat.check_vllm_version()
+        vllm_compat.require_attributes(Scheduler, vllm_compat.SCHEDULER_METHODS, "Scheduler")
+        vllm_compat.require_attributes(self, vllm_compat.SCHEDULER_ATTRIBUTES, "Scheduler")
         self.output_rate_config = OutputRateConfig.from_vllm_config(vllm_config)
         self.output_rate_clock_ns: Callable[[], int] = time.monotonic_ns
         # request -> rate-limit identity, for every request the scheduler holds

@@ -2,8 +2,11 @@
 
 The product is pinned to vLLM 0.32.0 because it relies on internals that
 change between versions. Every patch it applies is a row of ``PATCHES``
-(applied once per process, logged); every private member it calls is reached
-through a function below. An engine with limiting on refuses to start on any
+(applied once per process, logged; a row names the other attributes its
+replacement relies on, checked first); every private member it calls is
+reached through a function below; what the scheduler adapter reads on
+upstream's schedulers is ``SCHEDULER_ATTRIBUTES`` / ``SCHEDULER_METHODS``,
+checked when one is built. An engine with limiting on refuses to start on any
 other vLLM version (``check_vllm_version``; ``ALLOW_UNSUPPORTED_ENV=1``
 overrides, with a warning).
 
@@ -127,6 +130,8 @@ class Patch:
     any_version: bool = False
     # An optimisation: if the target is missing, warn and go on without it.
     optional: bool = False
+    # Other attributes of the owner the replacement relies on, checked before patching.
+    requires: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -138,7 +143,8 @@ class Patch:
         try:
             owner = _resolve(self.owner)
             current = getattr(owner, self.attribute)
-        except (ImportError, AttributeError):
+            require_attributes(owner, self.requires, self.name)
+        except (ImportError, AttributeError, UnsupportedVllmError):
             if not self.optional:
                 raise
             logger.warning("output-rate: %s not found (vLLM internals changed?)", self.name)
@@ -168,7 +174,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_ENGINE_ARGS, "from_cli_args", f"{_PLUGIN}:wrap_from_cli_args", "classmethod", True),
     Patch(_ENGINE_ARGS, "create_engine_config", f"{_PLUGIN}:wrap_create_engine_config"),
     Patch(_ENGINE_CORE, "run_busy_loop", "engine_ext.engine_core:wrap_run_busy_loop"),
-    Patch(_ENGINE_CORE, "_process_engine_step", "engine_ext.engine_core:wrap_process_engine_step"),
+    Patch(
+        _ENGINE_CORE,
+        "_process_engine_step",
+        "engine_ext.engine_core:wrap_process_engine_step",
+        requires=("_handle_client_request",),
+    ),
     Patch(
         "vllm.v1.executor.multiproc_executor:WorkerProc",
         "worker_busy_loop",
@@ -210,6 +221,37 @@ def apply_patches(patches: Iterable[Patch]) -> list[str]:
     if applied:
         logger.debug("output-rate: patched %s", ", ".join(applied))
     return applied
+
+
+# What scheduler.py reads or sets on upstream's scheduler instances, and the
+# methods of ``Scheduler`` it wraps or calls (checked when an output-rate
+# scheduler is built).
+SCHEDULER_ATTRIBUTES = (
+    "running",
+    "waiting",
+    "kv_holding_waiting",
+    "requests",
+    "finished_req_ids",
+    "current_step",
+    "max_num_active_reqs",
+    "max_num_running_reqs",
+    "max_num_scheduled_tokens",
+    "num_waiting_for_streaming_input",
+    "policy",
+    "log_stats",
+    "requires_kv_delivery",
+)
+SCHEDULER_METHODS = ("schedule", "add_request", "has_requests", "make_stats", "_preempt_request")
+
+
+def require_attributes(owner: object, names: Iterable[str], what: str) -> None:
+    """Refuse, naming them, if ``owner`` lacks any of ``names`` (vLLM's internals moved)."""
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        raise UnsupportedVllmError(
+            f"{what}: vLLM has no {', '.join(missing)} here; vllm-output-rate relies on "
+            f"vLLM {SUPPORTED_VLLM_VERSION}'s internals (engine_ext/vllm_compat.py lists them)"
+        )
 
 
 # ---- private members, reached only through these --------------------------

@@ -16,6 +16,7 @@ from engine_ext.vllm_compat import (
     Patch,
     UnsupportedVllmError,
 )
+from harness.scheduler import make_scheduler
 from tests.engine_ext.test_plugin import engine_config
 
 
@@ -118,3 +119,21 @@ def test_every_vllm_patch_is_in_place_exactly_once_after_repeated_registration()
         assert getattr(installed, PATCHED_MARK, False), patch.name
         # Wrapped once: what it wraps is vLLM's own function.
         assert not getattr(installed.__wrapped__, PATCHED_MARK, False), patch.name
+
+
+def test_a_patch_whose_replacement_needs_a_missing_attribute_is_refused_by_name(caplog) -> None:
+    needs = Patch(TARGET, "greet", f"{__name__}:shout", requires=("greet", "no_such_helper"))
+    with pytest.raises(UnsupportedVllmError, match="no_such_helper"):
+        needs.apply()
+    assert Target().greet() == "hello"  # nothing was patched
+    optional = Patch(TARGET, "greet", f"{__name__}:shout", requires=("gone",), optional=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.output_rate"):
+        assert optional.apply() is False
+    assert "Target.greet not found" in caplog.text
+
+
+def test_a_scheduler_without_an_attribute_the_adapter_relies_on_is_refused_by_name() -> None:
+    scheduler = make_scheduler(user_rates={"a": 10})  # the real one has every attribute
+    del scheduler.finished_req_ids
+    with pytest.raises(UnsupportedVllmError, match="finished_req_ids"):
+        vllm_compat.require_attributes(scheduler, vllm_compat.SCHEDULER_ATTRIBUTES, "Scheduler")
