@@ -16,7 +16,6 @@ import os
 import platform
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,12 +30,11 @@ import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
 
-from harness.servers import free_port
+from harness.servers import ControlPlane, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-TOKEN = "bench-admin-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = ControlPlane.auth_headers()
 NUM_USERS = 1_000_000
 
 
@@ -59,41 +57,12 @@ def database(kind: str, workdir: Path) -> Iterator[str]:
 
 @contextmanager
 def server(db_url: str, workdir: Path) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "OUTPUT_RATE_DATABASE_URL": db_url,
-        "OUTPUT_RATE_ADMIN_TOKEN": TOKEN,
-        "OUTPUT_RATE_ZMQ_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
-    }
-    log = (workdir / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    control_plane = ControlPlane(workdir / "serve.log", db_url, free_port(), free_port())
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((workdir / "serve.log").read_text()[-2000:])
-            time.sleep(0.2)
-        yield url, proc.pid
+        control_plane.wait_ready()
+        yield control_plane.url, control_plane.popen.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        control_plane.kill(signal.SIGTERM)
 
 
 def cpu_seconds(pid: int) -> float:
