@@ -14,9 +14,10 @@ of the waiting queues, and decides with the limiter:
 
 The scheduler adapter (engine_ext/scheduler.py) applies the plan to upstream's
 state in one place, runs upstream's ``schedule()`` with an ``AdmissionGate``
-on the waiting queues, and hands the output to ``StepPlanner.settle``, the
-single refund point. Line numbers below are vLLM 0.32.0's
-``vllm/v1/core/sched/scheduler.py``.
+on the waiting queues, and hands the output to ``StepPlanner.settle``, which
+refunds every charge upstream did not sample (the plan itself gives back
+only tokens it takes and then decides against in the same call). Line
+numbers below are vLLM 0.32.0's ``vllm/v1/core/sched/scheduler.py``.
 """
 
 from __future__ import annotations
@@ -511,7 +512,7 @@ class StepPlanner:
         if self.wakeup_ns is None or ready_at < self.wakeup_ns:
             self.wakeup_ns = ready_at
 
-    # ---- the single refund point ------------------------------------------
+    # ---- after upstream's step: refund what did not sample ----------------
 
     def settle(
         self,

@@ -16,7 +16,7 @@ A thin adapter between upstream's scheduler and ``engine_ext.planner``. Each
 3. Upstream's ``schedule()`` runs with the planner's admission gate on the
    waiting queues (engine_ext/waiting.py): a waiting request is charged when
    upstream's admission reaches it, a user without budget is passed over.
-4. The planner's ``settle`` refunds what did not sample: the single refund point.
+4. The planner's ``settle`` refunds every charge that did not sample.
 
 ``update_from_output()`` is not touched, so asynchronous scheduling works.
 """
