@@ -184,12 +184,13 @@ class StepPlanner:
         """Decide this step; the gate is for the waiting queues during upstream's schedule()."""
         self.wakeup_ns = None
         plan = StepPlan()
+        has_waiting = any(map(len, waiting))
         if len(running) <= slots.max_active:
-            running = self._charge_covered(plan, running, waiting)
+            running = self._charge_covered(plan, running, waiting if has_waiting else ())
         num_busy = self._charge_running(plan, running, step, slots.max_chunk) if running else 0
         plan.parked = self._park_over_active_cap(plan, slots.max_active - num_busy, step)
         refused: set[str] = set()
-        if any(len(q) for q in waiting):
+        if has_waiting:
             if plan.charged:
                 self._steal_turns_for_waiting(plan, waiting, slots)
             if plan.throttled:
@@ -205,8 +206,9 @@ class StepPlanner:
         """Charge the running requests of every user whose budget covers them all, unseen.
 
         A user whose budget covers every one of its running and waiting
-        requests is refused nothing this step, whichever of them sample: each
-        is charged one token (one ``take_many`` call for all such users, from
+        requests (``waiting``: the queues, empty when nothing waits) is
+        refused nothing this step, whichever of them sample: each is charged
+        one token (one ``take_many`` call for all such users, from
         counts made in C) and settle() refunds the ones that did not sample,
         which leaves the limiter as if only those had been charged (GCRA
         tokens taken at one instant add up). Nothing else in the plan depends
@@ -227,7 +229,7 @@ class StepPlanner:
         limiter = self.limiter
         # user -> tokens it got of those asked for: the users not covered.
         uncovered = limiter.take_many(num_running)
-        if any(map(len, waiting)):
+        if waiting:
             num_waiting: Counter[str] = Counter()
             for queue in waiting:
                 for user in queue.users():
@@ -282,7 +284,7 @@ class StepPlanner:
                 continue  # upstream's async look-ahead stop (lines 664-678)
             charge(request)
         # One limiter call per step: a user with several streams asks for all
-        # of their tokens at once. (map/attrgetter keep the per-request work in C.)
+        # of their tokens at once (counted in C).
         num_wanted = Counter(map(self.users.__getitem__, charged))
         num_got = self.limiter.take_many(num_wanted)
         if num_got:
@@ -344,16 +346,14 @@ class StepPlanner:
         by_user = self._granted_by_user(plan)
         order = sorted(by_user, key=lambda u: self._last_slot_step.get(u, -1))
         parked: list[RequestLike] = []
-        refund = self.limiter.refund
         for user in order:
             streams = by_user[user]
             num_keep = max(0, min(len(streams), num_free))
             num_free -= num_keep
             if num_keep:
                 self._last_slot_step[user] = step
-            for request in streams[num_keep:]:
-                refund(user)
-                parked.append(request)
+            self.limiter.refund(user, len(streams) - num_keep)
+            parked.extend(streams[num_keep:])
             del streams[num_keep:]
         parked_ids = {id(r) for r in parked}
         plan.charged = [r for r in plan.charged if id(r) not in parked_ids]

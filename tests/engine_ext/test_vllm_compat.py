@@ -8,6 +8,7 @@ import pytest
 
 from engine_ext import vllm_compat
 from engine_ext.plugin import register
+from engine_ext.scheduler import OutputRateMixin
 from engine_ext.vllm_compat import (
     ALLOW_UNSUPPORTED_ENV,
     BEAM_SEARCH_PATCHES,
@@ -137,3 +138,9 @@ def test_a_scheduler_without_an_attribute_the_adapter_relies_on_is_refused_by_na
     del scheduler.finished_req_ids
     with pytest.raises(UnsupportedVllmError, match="finished_req_ids"):
         vllm_compat.require_attributes(scheduler, vllm_compat.SCHEDULER_ATTRIBUTES, "Scheduler")
+
+
+def test_every_upstream_attribute_the_adapter_declares_is_in_the_checked_list() -> None:
+    # The mixin's annotations name what it reads on upstream's scheduler (for mypy);
+    # the compat layer's list is what is checked at startup: one must cover the other.
+    assert set(OutputRateMixin.__annotations__) <= set(vllm_compat.SCHEDULER_ATTRIBUTES)
