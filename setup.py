@@ -8,7 +8,7 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -37,4 +37,15 @@ class SdistWithUI(sdist):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithUI, "sdist": SdistWithUI})
+# The design's top level keeps migrations/ beside the packages; it is installed as
+# control_plane.migrations (sdist, wheel and editable installs alike).
+MIGRATIONS = {"control_plane.migrations": "migrations"}
+
+setup(
+    packages=[
+        *find_packages(include=["output_rate_core*", "engine_ext*", "control_plane*"]),
+        *MIGRATIONS,
+    ],
+    package_dir=MIGRATIONS,
+    cmdclass={"build_py": BuildPyWithUI, "sdist": SdistWithUI},
+)

@@ -13,11 +13,13 @@ from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+import control_plane.migrations
 from control_plane import __version__
 from control_plane.settings import Settings, settings_errors
 
-# Shipped inside the package; the checkout's alembic.ini points here too.
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+# The checkout's migrations/ folder, installed as this subpackage (setup.py maps it), so
+# an installed control plane finds it in any folder; the checkout's alembic.ini points there.
+MIGRATIONS_DIR = Path(control_plane.migrations.__file__).resolve().parent
 logger = logging.getLogger("control_plane")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from control_plane import services
 from control_plane.db import Database
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 
 logger = logging.getLogger("control_plane")
 

@@ -21,8 +21,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from engine_ext.ids import MAX_ENGINE_ID_LEN, MAX_MODEL_LEN, MAX_TIER_NAME_LEN, MAX_USER_ID_LEN
-from engine_ext.rates import MAX_RATE, MIN_RATE
+from output_rate_core.ids import (
+    MAX_ENGINE_ID_LEN,
+    MAX_MODEL_LEN,
+    MAX_TIER_NAME_LEN,
+    MAX_USER_ID_LEN,
+)
+from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",

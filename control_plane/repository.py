@@ -26,7 +26,7 @@ from control_plane.models import (
     UserLimit,
     ViewerToken,
 )
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 
 CONFIG_ROW_ID = 1
 

@@ -7,14 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_ext.ids import (
+from output_rate_core.ids import (
     ENGINE_ID_PATTERN,
     MAX_ENGINE_ID_LEN,
     MAX_USER_ID_LEN,
     TIER_NAME_PATTERN,
     USER_ID_PATTERN,
 )
-from engine_ext.rates import MAX_RATE, MIN_RATE
+from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 __all__ = ["ENGINE_ID_PATTERN", "MAX_ENGINE_ID_LEN", "TIER_NAME_PATTERN", "USER_ID_PATTERN"]
 

@@ -23,8 +23,8 @@ from control_plane import repository as repo
 from control_plane.db import ConfigChange
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.repository import State, UserRecord
-from engine_ext import protocol as p
-from engine_ext.limits import effective_rate
+from output_rate_core import protocol as p
+from output_rate_core.limits import effective_rate
 
 MAX_BULK_ITEMS = 10_000
 # GET /audit: a page is at most about this big; larger before/after are paged apart.

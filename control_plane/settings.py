@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_ext.protocol import HEARTBEAT_INTERVAL_S
+from output_rate_core.protocol import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("control_plane")
 

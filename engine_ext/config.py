@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
-from engine_ext.rates import validate_rate
+from output_rate_core.rates import validate_rate
 
 CONFIG_KEY = "output_rate"
 

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from engine_ext.config import OutputRateConfig
-from engine_ext.ids import check_engine_id, check_user_id
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
-from engine_ext.rates import MAX_RATE, validate_rate
+from output_rate_core.ids import check_engine_id, check_user_id
+from output_rate_core.rates import MAX_RATE, validate_rate
 
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from engine_ext.rates import validate_rate
+from output_rate_core.rates import validate_rate
 
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from engine_ext import protocol as p
-from engine_ext.ids import is_user_id
+from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.limits import LimitTable
-from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
+from output_rate_core import protocol as p
+from output_rate_core.ids import is_user_id
+from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
 

@@ -12,8 +12,8 @@ if command -v pg_ctlcluster >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q; 
 fi
 
 echo "== ruff"
-ruff check control_plane engine_ext harness tests scripts bench setup.py
-ruff format --check control_plane engine_ext harness tests scripts bench setup.py
+ruff check output_rate_core control_plane engine_ext migrations harness tests scripts bench setup.py
+ruff format --check output_rate_core control_plane engine_ext migrations harness tests scripts bench setup.py
 echo "== mypy"
 mypy
 echo "== pytest"

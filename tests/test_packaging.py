@@ -42,8 +42,10 @@ BUILD_INPUTS = (
     "pyproject.toml",
     "setup.py",
     "README.md",
+    "output_rate_core",
     "control_plane",
     "engine_ext",
+    "migrations",
     "scripts/build_ui.py",
     "web",
 )
@@ -52,7 +54,7 @@ NOT_INPUTS = ("control_plane/ui", "control_plane/ui.tmp", "web/node_modules")
 NODE_MODULES = ROOT / "web" / "node_modules"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 UI_FILES = {*build_ui.first_party_files(), *build_ui.THIRD_PARTY.values()}
-MIGRATIONS = sorted(p.name for p in (ROOT / "control_plane/migrations/versions").glob("*.py"))
+MIGRATIONS = sorted(p.name for p in (ROOT / "migrations/versions").glob("*.py"))
 ADMIN_TOKEN = "packaging-admin-token"
 STALE_AFTER_S = 86_400
 
@@ -190,10 +192,15 @@ def test_wheel_and_sdist_ship_migrations_and_only_the_built_ui(built: Built) -> 
         files = [m.name for m in tf.getmembers() if m.isfile()]
     top = files[0].split("/")[0]
     sdist_names = [n.removeprefix(f"{top}/") for n in files]
-    for names in (wheel_names, sdist_names):
+    # The sdist keeps the checkout's layout (migrations/ at the top); the wheel installs
+    # that folder as control_plane.migrations.
+    for names, migrations in (
+        (wheel_names, "control_plane/migrations/"),
+        (sdist_names, "migrations/"),
+    ):
         assert set(_shipped(names, "control_plane/ui/")) == UI_FILES
-        assert sorted(_shipped(names, "control_plane/migrations/versions/")) == MIGRATIONS
-        assert "control_plane/migrations/env.py" in names
+        assert sorted(_shipped(names, f"{migrations}versions/")) == MIGRATIONS
+        assert f"{migrations}env.py" in names
         npm = [n for n in names if "node_modules" in n or n.endswith((".map", "package.json"))]
         assert npm == []
         assert not [n for n in names if n.startswith(("web/", "tests/"))]
@@ -204,11 +211,14 @@ def test_wheel_and_sdist_ship_migrations_and_only_the_built_ui(built: Built) -> 
 
 
 def test_installed_cli_from_an_empty_folder(built: Built, tmp_path: Path) -> None:
-    # The installed code runs (not a checkout), every module imports without vLLM.
+    # The installed code runs (not a checkout), every module imports without vLLM (the
+    # migration scripts run only inside Alembic, which the CLI test below drives).
     probe = (
-        "import importlib, pkgutil, control_plane\n"
-        "for m in pkgutil.walk_packages(control_plane.__path__, 'control_plane.'):\n"
-        "    importlib.import_module(m.name)\n"
+        "import importlib, pkgutil, control_plane, output_rate_core\n"
+        "for pkg in (control_plane, output_rate_core):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if not m.name.startswith('control_plane.migrations.'):\n"
+        "            importlib.import_module(m.name)\n"
         "print(control_plane.__file__)\n"
         "import vllm\n"
     )

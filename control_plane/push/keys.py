@@ -15,8 +15,8 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from engine_ext.ids import check_engine_id
-from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV
+from output_rate_core.ids import check_engine_id
+from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV
 
 Z85_KEY_LEN = 40
 # Engine ids a key may claim, per key; None: any engine id.

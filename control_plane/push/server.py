@@ -37,8 +37,8 @@ import zmq
 from control_plane import services
 from control_plane.db import Database
 from control_plane.push.usage import UsageBook
-from engine_ext import protocol as p
-from engine_ext.zmq_util import make_socket
+from output_rate_core import protocol as p
+from output_rate_core.zmq_util import make_socket
 
 logger = logging.getLogger(__name__)
 

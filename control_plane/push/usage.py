@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from control_plane import services
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 
 WINDOW_S = 10.0
 SHORT_WINDOW_S = 1.0

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from control_plane import services
-from engine_ext.protocol import Snapshot
+from output_rate_core.protocol import Snapshot
 
 
 def replay(changes: list[tuple[int, list[dict[str, Any]]]]) -> Snapshot:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from control_plane.history import UsageRecorder
 from control_plane.settings import Settings
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.control_plane.served import serve
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane import services
 from control_plane.push.usage import UsageBook
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 
 
 class FakeClock:

@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from engine_ext import protocol as p
+from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.limits import LimitTable
 from engine_ext.push_client import PushClient
+from output_rate_core import protocol as p
 
 WAIT_S = 15.0
 

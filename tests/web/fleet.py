@@ -1,5 +1,5 @@
 """Realistic data for the UI tests: tiers, thousands of users, usage history and a live
-protocol peer reporting usage (a ZMQ DEALER speaking engine_ext.protocol)."""
+protocol peer reporting usage (a ZMQ DEALER speaking output_rate_core.protocol)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import zmq
 
 from control_plane.db import Database, make_engine
 from control_plane.history import UsageRecorder
-from engine_ext import protocol as p
 from harness.servers import ControlPlane
+from output_rate_core import protocol as p
 
 TIERS = {
     "free": (10, "Free plan"),

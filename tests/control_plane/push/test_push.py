@@ -18,9 +18,9 @@ import zmq
 from control_plane import services
 from control_plane.db import Database, make_engine
 from control_plane.push.server import PushServer
-from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import LimitTable, PushClient
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 
 WAIT_S = 20.0

@@ -26,8 +26,8 @@ import zmq
 from control_plane import services
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
+from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.limits import LimitTable
 from engine_ext.push_client import PushClient
 from tests.control_plane.served import free_port
 

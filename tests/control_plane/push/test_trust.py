@@ -17,9 +17,9 @@ import httpx
 import pytest
 import zmq
 
-from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.control_plane.served import Served, serve
 

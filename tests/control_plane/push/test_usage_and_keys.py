@@ -12,8 +12,8 @@ from control_plane.cli import main
 from control_plane.push import keys
 from control_plane.push.usage import UsageBook
 from control_plane.settings import Settings
-from engine_ext import protocol as p
-from engine_ext.zmq_util import ENGINE_SECRET_KEY_ENV, public_key_of
+from output_rate_core import protocol as p
+from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, public_key_of
 
 
 class FakeClock:

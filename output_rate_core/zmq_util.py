@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from engine_ext.protocol import MAX_MESSAGE_BYTES
+from output_rate_core.protocol import MAX_MESSAGE_BYTES
 
 # Environment variable an engine reads its own CURVE secret key (Z85) from. The
 # control plane admits only the public keys it lists (OUTPUT_RATE_ZMQ_CLIENT_KEYS).

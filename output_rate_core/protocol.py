@@ -21,8 +21,8 @@ from typing import Annotated
 
 import msgspec
 
-from engine_ext import ids
-from engine_ext.rates import MAX_RATE, MIN_RATE
+from output_rate_core import ids
+from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -52,7 +52,7 @@ Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-# What engines send is checked against the shared id rules (engine_ext/ids.py); what
+# What engines send is checked against the shared id rules (output_rate_core/ids.py); what
 # the server sends came from the database, which the REST API already checked.
 EngineId = Annotated[
     str,

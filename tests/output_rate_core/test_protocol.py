@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine_ext import protocol as p
+from output_rate_core import protocol as p
 
 MESSAGES: list[p.Message] = [
     p.Hello("engine-1", "tiny", 7),

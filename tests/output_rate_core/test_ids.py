@@ -1,4 +1,4 @@
-"""One set of id rules (engine_ext/ids.py) for REST, bulk, the protocol, the vLLM flags
+"""One set of id rules (output_rate_core/ids.py) for REST, bulk, the protocol, the vLLM flags
 and the database columns."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import argparse
 import pytest
 
 from control_plane.models import Engine, UserLimit
-from engine_ext import ids
-from engine_ext import protocol as p
 from engine_ext.flags import add_flags, config_from_args
+from output_rate_core import ids
+from output_rate_core import protocol as p
 
 
 def test_column_lengths_are_the_id_rules() -> None:

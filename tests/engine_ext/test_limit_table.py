@@ -1,18 +1,11 @@
-"""The shared limit model: the effective-rate rule and the engine's table of it."""
+"""The engine's table of the limit model: the limiter follows every op."""
 
 from __future__ import annotations
 
-from engine_ext import protocol as p
+from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.limits import DEFAULT, OVERRIDE, TIER, LimitTable, effective_rate
-
-
-def test_override_then_tier_then_default() -> None:
-    assert effective_rate(7, "pro", 100, 20) == (7, OVERRIDE)
-    assert effective_rate(None, "pro", 100, 20) == (100, TIER)
-    assert effective_rate(None, "pro", None, 20) == (None, TIER)  # an unlimited tier
-    assert effective_rate(None, None, None, 20) == (20, DEFAULT)
-    assert effective_rate(None, None, None, None) == (None, DEFAULT)
+from output_rate_core import protocol as p
+from output_rate_core.limits import effective_rate
 
 
 def test_the_table_gives_the_limiter_each_users_effective_rate_after_every_op() -> None:

@@ -1,36 +1,11 @@
-"""The limit model both sides share: rate bounds, the effective-rate rule, and
-how the engine's table of it changes with each op of the wire protocol.
-
-Pure Python (imports neither vLLM nor SQLAlchemy): the control plane's REST
-schemas, database checks and services, the wire protocol, the engine's flags,
-limiter and push client all take their rules from here.
-
-The rule (DESIGN.md §4): a user's effective rate is its override if set, else
-its tier's rate, else the default; ``None`` is unlimited.
-"""
+"""The engine's table of the limit model: how each op of the wire protocol changes the
+limiter's per-user rates (the rule itself is output_rate_core.limits)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from engine_ext import protocol as p
 from engine_ext.limiter import OutputRateLimiter
-
-Source = Literal["override", "tier", "default"]
-OVERRIDE: Source = "override"
-TIER: Source = "tier"
-DEFAULT: Source = "default"
-
-
-def effective_rate(
-    override: int | None, tier: str | None, tier_rate: int | None, default_rate: int | None
-) -> tuple[int | None, Source]:
-    """(effective rate, where it comes from) of a user; ``tier_rate`` is ``tier``'s rate."""
-    if override is not None:
-        return override, OVERRIDE
-    if tier is not None:
-        return tier_rate, TIER
-    return default_rate, DEFAULT
+from output_rate_core import protocol as p
+from output_rate_core.limits import DEFAULT, effective_rate
 
 
 class LimitTable:

@@ -1,0 +1,5 @@
+"""What the control plane and the engine extension both speak: the wire protocol, the id
+rules, the rate bounds, the effective-rate rule and the ZMQ socket helper.
+
+Pure Python: imports neither vLLM nor SQLAlchemy nor FastAPI, nor either side's package.
+"""
