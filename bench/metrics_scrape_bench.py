@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_ext.metrics import EngineMetrics
+from engine_ext.metrics import EngineMetrics, SchedulerFigures, encode_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_TOKENS = 480  # + the prompt stays within --max-model-len 512
@@ -71,17 +71,20 @@ def micro() -> list[str]:
     for k in (20, 200):
         metrics = EngineMetrics(max_users=k)
         metrics.add_usage({f"u{i}": 5 for i in range(k)}, {f"u{i}": 1 for i in range(k)})
+        figures = SchedulerFigures(
+            rate_of=lambda user: 20,
+            default_rate=None,
+            is_unlimited=False,
+            num_reclaims=0,
+            num_reclaimed_tokens=0,
+            config_version=3,
+            connected=True,
+            tier_of=lambda user: None,
+        )
         n = 2_000
         start = time.perf_counter()
         for _ in range(n):
-            metrics.snapshot(
-                rate_of=lambda user: 20,
-                default_rate=None,
-                num_reclaims=0,
-                num_tokens_dropped=0,
-                config_version=3,
-                connected=True,
-            )
+            encode_snapshot(metrics.snapshot(figures))
         per_call = (time.perf_counter() - start) / n * 1e6
         lines.append(f"| snapshot (once a second), K = {k} users | {per_call:.1f} |")
     return lines

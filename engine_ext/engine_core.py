@@ -61,7 +61,6 @@ def install_wake(engine: Any) -> Callable[[], None] | None:
     def wake() -> None:
         input_queue.put_nowait(wakeup)
 
-    engine.scheduler.wake_engine = wake
     logger.info("output-rate: engine idle wait on (throttled steps wait on the input queue)")
     return wake
 

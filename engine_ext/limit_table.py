@@ -23,6 +23,9 @@ class LimitTable:
         # tier -> users assigned to it
         self.members: dict[str, set[str]] = {}
 
+    def tier_of(self, user: str) -> str | None:
+        return self.users.get(user, (None, None))[0]
+
     def effective_user_rates(self) -> dict[str, int | None]:
         """Per-user limiter rates; users with neither tier nor override get the default."""
         rates: dict[str, int | None] = {}

@@ -6,8 +6,8 @@ Two halves, one per process (docs/metrics.md):
   cumulative per-user counters for at most ``max_users`` users (the rest are
   folded into ``OTHER_USER``), the engine-side interval between consecutive
   tokens of throttled users per tier, and, about once a second, puts a small
-  plain-data snapshot on the ``SchedulerStats`` that vLLM already sends to the
-  API server (``Scheduler.make_stats``). Per step it costs one call with
+  ``MetricsSnapshot`` (a msgspec struct, encoded) on the ``SchedulerStats`` that
+  vLLM already sends to the API server (``Scheduler.make_stats``). Per step it costs one call with
   O(throttled users) work; the per-user counts come from the planner's own
   usage dicts once a second.
 - ``OutputRateCollector`` lives in the API server process: vLLM's stat logger
@@ -24,8 +24,9 @@ import bisect
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
 
+import msgspec
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -64,6 +65,67 @@ INTERVAL_BUCKETS = (
 
 # user -> [tokens granted, request-steps throttled, last active (clock ns)]
 _GRANTED, _THROTTLED, _LAST_ACTIVE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SchedulerFigures:
+    """What the metrics read from an output-rate scheduler (its ``output_rate_figures()``)."""
+
+    rate_of: Callable[[str], int | None]
+    default_rate: int | None
+    is_unlimited: bool
+    num_reclaims: int
+    num_reclaimed_tokens: int
+    # None: the engine has no control plane.
+    config_version: int | None
+    connected: bool | None
+    tier_of: Callable[[str], str | None]
+
+
+# ---- the snapshot that crosses from the engine-core process to the API server ----
+
+
+class UserFigures(msgspec.Struct, array_like=True, frozen=True):
+    num_granted: int
+    num_throttled: int
+    # The user's effective limit in tokens/s (None: unlimited).
+    rate: int | None
+    # Seconds since the user was last granted or refused a token.
+    idle_s: float
+
+
+class TierIntervals(msgspec.Struct, array_like=True, frozen=True):
+    # One count per INTERVAL_BUCKETS bound, then one for +Inf (not cumulative).
+    counts: list[int]
+    sum_s: float
+
+
+class MetricsSnapshot(msgspec.Struct, frozen=True):
+    users: dict[str, UserFigures]
+    # Tokens granted and request-steps refused of every user without a series.
+    num_other_granted: int
+    num_other_throttled: int
+    idle_s: float
+    default_rate: int | None
+    num_throttled_resident: int
+    num_reclaims: int
+    num_reclaimed_tokens: int
+    config_version: int | None
+    connected: bool | None
+    # tier name -> its users' token intervals
+    intervals: dict[str, TierIntervals]
+
+
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(MetricsSnapshot)
+
+
+def encode_snapshot(snapshot: MetricsSnapshot) -> bytes:
+    return _snapshot_encoder.encode(snapshot)
+
+
+def decode_snapshot(payload: bytes) -> MetricsSnapshot:
+    return _snapshot_decoder.decode(payload)
 
 
 class IntervalHistogram:
@@ -212,63 +274,36 @@ class EngineMetrics:
         self._next_snapshot_ns = now + SNAPSHOT_INTERVAL_NS
         return True
 
-    def snapshot(
-        self,
-        *,
-        rate_of: Callable[[str], int | None],
-        default_rate: int | None,
-        num_reclaims: int,
-        num_tokens_dropped: int,
-        config_version: int | None,
-        connected: bool | None,
-    ) -> dict[str, Any]:
-        """The plain-data snapshot sent to the API server (msgpack-friendly)."""
+    def snapshot(self, figures: SchedulerFigures) -> MetricsSnapshot:
+        """The snapshot sent to the API server; forgets series idle for ``idle_s``."""
+        if figures.is_unlimited:
+            # schedule() takes upstream's path and throttles nobody (on_step is not called).
+            self.num_throttled_resident = 0
         now = self.clock_ns()
         users = self.users
         for user in [u for u, s in users.items() if now - s[_LAST_ACTIVE] > self.idle_ns]:
             del users[user]
-        return {
-            "users": {
-                user: [s[_GRANTED], s[_THROTTLED], rate_of(user), (now - s[_LAST_ACTIVE]) / 1e9]
+        rate_of = figures.rate_of
+        return MetricsSnapshot(
+            users={
+                user: UserFigures(
+                    s[_GRANTED], s[_THROTTLED], rate_of(user), (now - s[_LAST_ACTIVE]) / 1e9
+                )
                 for user, s in users.items()
             },
-            "other": list(self.other),
-            "idle_s": self.idle_ns / 1e9,
-            "default_rate": default_rate,
-            "throttled_resident": self.num_throttled_resident,
-            "reclaims": num_reclaims,
-            "reclaimed_tokens": num_tokens_dropped,
-            "config_version": config_version,
-            "connected": connected,
-            "intervals": {tier: [*h.counts, h.sum] for tier, h in self.intervals.items()},
-        }
-
-
-def scheduler_snapshot(metrics: EngineMetrics, scheduler: Any) -> dict[str, Any]:
-    """Snapshot of an output-rate scheduler's figures (read-only on the scheduler)."""
-    limiter = scheduler.output_rate_limiter
-    push = scheduler.push_client
-    stats = scheduler.reclaim_stats
-    if limiter.is_unlimited:
-        # schedule() takes upstream's path and throttles nobody (on_step is not called).
-        metrics.num_throttled_resident = 0
-    return metrics.snapshot(
-        rate_of=limiter.rate_of,
-        default_rate=limiter.default_rate,
-        num_reclaims=stats.num_reclaims,
-        num_tokens_dropped=stats.num_tokens_dropped,
-        config_version=None if push is None else push.applied_version,
-        connected=None if push is None else push.is_in_sync,
-    )
-
-
-def tier_lookup(scheduler: Any) -> Callable[[str], str | None]:
-    """user -> tier name in the control plane's table (None without one)."""
-    push = scheduler.push_client
-    if push is None:
-        return lambda user: None
-    users = push.table.users
-    return lambda user: users.get(user, (None, None))[0]
+            num_other_granted=self.other[_GRANTED],
+            num_other_throttled=self.other[_THROTTLED],
+            idle_s=self.idle_ns / 1e9,
+            default_rate=figures.default_rate,
+            num_throttled_resident=self.num_throttled_resident,
+            num_reclaims=figures.num_reclaims,
+            num_reclaimed_tokens=figures.num_reclaimed_tokens,
+            config_version=figures.config_version,
+            connected=figures.connected,
+            intervals={
+                tier: TierIntervals(list(h.counts), h.sum) for tier, h in self.intervals.items()
+            },
+        )
 
 
 class OutputRateCollector(Collector):
@@ -278,11 +313,11 @@ class OutputRateCollector(Collector):
         self._clock = clock
         self._lock = threading.Lock()
         # engine index -> (model name, snapshot, time received)
-        self._latest: dict[int, tuple[str, dict[str, Any], float]] = {}
+        self._latest: dict[int, tuple[str, MetricsSnapshot, float]] = {}
 
-    def update(self, engine_idx: int, model_name: str, payload: dict[str, Any]) -> None:
+    def update(self, engine_idx: int, model_name: str, snapshot: MetricsSnapshot) -> None:
         with self._lock:
-            self._latest[engine_idx] = (model_name, payload, self._clock())
+            self._latest[engine_idx] = (model_name, snapshot, self._clock())
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
@@ -345,38 +380,36 @@ class OutputRateCollector(Collector):
             "Engine-side time between consecutive tokens of a throttled user, per tier",
             labels=[*base, "tier"],
         )
-        for engine_idx, (model_name, payload, received) in latest:
+        for engine_idx, (model_name, snapshot, received) in latest:
             labels = [model_name, str(engine_idx)]
             age = now - received
-            idle_s = payload["idle_s"]
             num_tracked = 0
-            for user, (num_granted, num_throttled, rate, idle) in payload["users"].items():
-                if idle + age > idle_s:
+            for user, figures in snapshot.users.items():
+                if figures.idle_s + age > snapshot.idle_s:
                     continue
                 num_tracked += 1
-                granted.add_metric([*labels, user], num_granted)
-                throttled.add_metric([*labels, user], num_throttled)
-                if rate is not None:
-                    limit.add_metric([*labels, user], rate)
-            other_granted, other_throttled = payload["other"]
-            granted.add_metric([*labels, OTHER_USER], other_granted)
-            throttled.add_metric([*labels, OTHER_USER], other_throttled)
+                granted.add_metric([*labels, user], figures.num_granted)
+                throttled.add_metric([*labels, user], figures.num_throttled)
+                if figures.rate is not None:
+                    limit.add_metric([*labels, user], figures.rate)
+            granted.add_metric([*labels, OTHER_USER], snapshot.num_other_granted)
+            throttled.add_metric([*labels, OTHER_USER], snapshot.num_other_throttled)
             tracked.add_metric(labels, num_tracked)
-            if payload["default_rate"] is not None:
-                default.add_metric(labels, payload["default_rate"])
-            resident.add_metric(labels, payload["throttled_resident"])
-            reclaims.add_metric(labels, payload["reclaims"])
-            reclaimed.add_metric(labels, payload["reclaimed_tokens"])
-            if payload["config_version"] is not None:
-                version.add_metric(labels, payload["config_version"])
-                connected.add_metric(labels, 1 if payload["connected"] else 0)
-            for tier, values in payload["intervals"].items():
-                counts, total = values[:-1], values[-1]
+            if snapshot.default_rate is not None:
+                default.add_metric(labels, snapshot.default_rate)
+            resident.add_metric(labels, snapshot.num_throttled_resident)
+            reclaims.add_metric(labels, snapshot.num_reclaims)
+            reclaimed.add_metric(labels, snapshot.num_reclaimed_tokens)
+            if snapshot.config_version is not None:
+                version.add_metric(labels, snapshot.config_version)
+                connected.add_metric(labels, 1 if snapshot.connected else 0)
+            for tier, tier_intervals in snapshot.intervals.items():
                 buckets, running = [], 0
-                for bound, count in zip((*INTERVAL_BUCKETS, float("inf")), counts, strict=True):
+                bounds = (*INTERVAL_BUCKETS, float("inf"))
+                for bound, count in zip(bounds, tier_intervals.counts, strict=True):
                     running += count
                     buckets.append((_le(bound), running))
-                intervals.add_metric([*labels, tier], buckets, total)
+                intervals.add_metric([*labels, tier], buckets, tier_intervals.sum_s)
         yield from (granted, throttled, limit, default, tracked, resident)
         yield from (reclaims, reclaimed, version, connected, intervals)
 

@@ -33,7 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
 from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
-from engine_ext.metrics import PAYLOAD_FIELD, scheduler_snapshot, tier_lookup
+from engine_ext.metrics import PAYLOAD_FIELD, SchedulerFigures, encode_snapshot
 from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, ReclaimStats, Slots, StepPlan, StepPlanner
 from engine_ext.stat_logger import engine_metrics_for
 from engine_ext.waiting import UserIndexedQueue
@@ -102,9 +102,6 @@ class OutputRateMixin:
             ),
             self.output_rate_users,
         )
-        # Set by the engine-core side (engine_core.py); called from any thread
-        # to end an idle wait.
-        self.wake_engine: Callable[[], None] = lambda: None
         # Both waiting queues, indexed by user so that a step's admission
         # costs O(users with waiting requests), not O(waiting requests).
         user_of = self._user_of
@@ -125,11 +122,6 @@ class OutputRateMixin:
     @output_rate_limiter.setter
     def output_rate_limiter(self, limiter: OutputRateLimiter) -> None:
         self.output_rate_planner.limiter = limiter
-
-    @property
-    def output_rate_wakeup_ns(self) -> int | None:
-        """Earliest time a user refused in the last schedule() gets budget again."""
-        return self.output_rate_planner.wakeup_ns
 
     @property
     def reclaim_stats(self) -> ReclaimStats:
@@ -265,7 +257,7 @@ class OutputRateMixin:
         self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
         granted, throttled = self.output_rate_planner.take_usage()
         if metrics is not None:  # metrics: the same counts, before the push client owns them
-            metrics.add_usage(granted, throttled, tier_lookup(self))
+            metrics.add_usage(granted, throttled, self._tier_of())
         if self.push_client is not None:
             self.push_client.report_usage(granted=granted, throttled=throttled)
 
@@ -280,8 +272,30 @@ class OutputRateMixin:
             self._next_usage_report_ns = 0
             self._maybe_report_usage()
         if metrics.snapshot_due() or not self.requests:
-            setattr(stats, PAYLOAD_FIELD, scheduler_snapshot(metrics, self))
+            snapshot = metrics.snapshot(self.output_rate_figures())
+            setattr(stats, PAYLOAD_FIELD, encode_snapshot(snapshot))
         return stats
+
+    def output_rate_figures(self) -> SchedulerFigures:
+        """What the engine's metrics show of this scheduler (read-only)."""
+        limiter = self.output_rate_limiter
+        push = self.push_client
+        stats = self.reclaim_stats
+        return SchedulerFigures(
+            rate_of=limiter.rate_of,
+            default_rate=limiter.default_rate,
+            is_unlimited=limiter.is_unlimited,
+            num_reclaims=stats.num_reclaims,
+            num_reclaimed_tokens=stats.num_tokens_dropped,
+            config_version=None if push is None else push.applied_version,
+            connected=None if push is None else push.is_in_sync,
+            tier_of=self._tier_of(),
+        )
+
+    def _tier_of(self) -> Callable[[str], str | None]:
+        """user -> its tier in the control plane's table (None without a control plane)."""
+        push = self.push_client
+        return (lambda user: None) if push is None else push.table.tier_of
 
 
 class OutputRateScheduler(OutputRateMixin, Scheduler):

@@ -30,7 +30,7 @@ from typing import Any
 
 from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
-from engine_ext.metrics import PAYLOAD_FIELD, EngineMetrics, OutputRateCollector
+from engine_ext.metrics import PAYLOAD_FIELD, EngineMetrics, OutputRateCollector, decode_snapshot
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
@@ -63,7 +63,7 @@ def stat_logger_class() -> type:
         ) -> None:
             payload = getattr(scheduler_stats, PAYLOAD_FIELD, None)
             if payload is not None:
-                COLLECTOR.update(engine_idx, self.model_name, payload)
+                COLLECTOR.update(engine_idx, self.model_name, decode_snapshot(payload))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -300,10 +300,10 @@ def add_scheduler_stats_field(name: str) -> bool:
     if name not in SchedulerStats.__dataclass_fields__:
         field: Any = dataclasses.field(default=None)
         field.name = name
-        field.type = dict[str, Any] | None
+        field.type = bytes | None
         field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
         SchedulerStats.__dataclass_fields__[name] = field
-        SchedulerStats.__annotations__[name] = dict[str, Any] | None
+        SchedulerStats.__annotations__[name] = bytes | None
         setattr(SchedulerStats, name, None)
         if "__msgspec_cache__" in vars(SchedulerStats):
             delattr(SchedulerStats, "__msgspec_cache__")
@@ -316,7 +316,7 @@ def _stats_field_round_trips(name: str) -> bool:
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     stats = SchedulerStats()
-    setattr(stats, name, {"probe": [1]})
+    setattr(stats, name, b"probe")
     frames = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
     decoded = MsgpackDecoder(EngineCoreOutputs).decode(frames)
-    return bool(getattr(decoded.scheduler_stats, name, None) == {"probe": [1]})
+    return bool(getattr(decoded.scheduler_stats, name, None) == b"probe")

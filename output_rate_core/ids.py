@@ -31,7 +31,6 @@ TIER_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_TIER_NAME_LEN - 1}}}$"
 
 _USER_ID = re.compile(USER_ID_PATTERN)
 _ENGINE_ID = re.compile(ENGINE_ID_PATTERN)
-_MODEL = re.compile(MODEL_PATTERN)
 
 
 def _shown(value: str) -> str:
@@ -66,12 +65,3 @@ def check_engine_id(engine_id: object) -> str:
             f"engine id {_shown(engine_id)} may only contain letters, digits and . _ - : @ [ ]"
         )
     return engine_id
-
-
-def check_model(model: str) -> str:
-    if len(model) > MAX_MODEL_LEN or not _MODEL.match(model):
-        raise ValueError(
-            f"model name {_shown(model)} is over {MAX_MODEL_LEN} characters or has "
-            "control characters"
-        )
-    return model

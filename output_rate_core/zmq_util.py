@@ -11,10 +11,6 @@ from output_rate_core.protocol import MAX_MESSAGE_BYTES
 ENGINE_SECRET_KEY_ENV = "OUTPUT_RATE_ENGINE_SECRET_KEY"
 
 
-def public_key_of(secret_key: str) -> str:
-    return zmq.curve_public(secret_key.encode()).decode()
-
-
 def make_socket(
     context: zmq.Context,
     socket_type: int,

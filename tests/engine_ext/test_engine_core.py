@@ -51,7 +51,8 @@ def make_engine(scheduler: Any) -> Any:
         return outputs, model_executed
 
     engine.step_fn = step_fn
-    install_wake(engine)
+    # What the control-plane client is given to end the engine's idle wait.
+    engine.wake = install_wake(engine)
     return engine
 
 
@@ -119,7 +120,7 @@ def test_an_abort_ends_the_wait_and_is_handled(throttled_engine: Any) -> None:
 def test_wake_engine_from_another_thread_ends_the_wait(throttled_engine: Any) -> None:
     scheduler = throttled_engine.scheduler
     scheduler.output_rate_wait_s = lambda now_ns=None: LONG_WAIT_S
-    thread = later(0.1, scheduler.wake_engine)  # what the control-plane client calls
+    thread = later(0.1, throttled_engine.wake)
     start = time.monotonic()
     throttled_engine._process_engine_step()
     assert time.monotonic() - start < WOKEN_WITHIN_S
@@ -142,7 +143,7 @@ def test_a_throttled_user_still_gets_its_tokens(throttled_engine: Any) -> None:
 def test_upstream_scheduler_is_left_alone() -> None:
     scheduler = make_scheduler(limited=False)
     engine = make_engine(scheduler)
-    assert not hasattr(scheduler, "wake_engine")
+    assert engine.wake is None
     engine._handle_client_request(EngineCoreRequestType.ADD, (make_request(None), 0))
     wakeup = (EngineCoreRequestType.WAKEUP, None)
     engine.input_queue.put(wakeup)

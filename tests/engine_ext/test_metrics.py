@@ -12,7 +12,11 @@ from engine_ext.metrics import (
     NO_TIER,
     OTHER_USER,
     EngineMetrics,
+    MetricsSnapshot,
     OutputRateCollector,
+    SchedulerFigures,
+    decode_snapshot,
+    encode_snapshot,
 )
 
 MS = 1_000_000
@@ -31,19 +35,26 @@ def make_metrics(max_users: int = 3, idle_s: float = 60.0) -> tuple[EngineMetric
     return EngineMetrics(max_users=max_users, idle_s=idle_s, clock_ns=clock), clock
 
 
-def snapshot(metrics: EngineMetrics, **overrides: Any) -> dict[str, Any]:
+def figures(**overrides: Any) -> SchedulerFigures:
     args: dict[str, Any] = {
         "rate_of": lambda user: 20 if user.startswith("slow") else None,
         "default_rate": None,
+        "is_unlimited": False,
         "num_reclaims": 0,
-        "num_tokens_dropped": 0,
+        "num_reclaimed_tokens": 0,
         "config_version": None,
         "connected": None,
+        "tier_of": lambda user: None,
     }
-    return metrics.snapshot(**{**args, **overrides})
+    return SchedulerFigures(**{**args, **overrides})
 
 
-def samples(payload: dict[str, Any], clock: Any = None) -> dict[str, dict[tuple, float]]:
+def snapshot(metrics: EngineMetrics, **overrides: Any) -> MetricsSnapshot:
+    # Through the bytes the engine-core process sends, as the API server gets them.
+    return decode_snapshot(encode_snapshot(metrics.snapshot(figures(**overrides))))
+
+
+def samples(payload: MetricsSnapshot, clock: Any = None) -> dict[str, dict[tuple, float]]:
     """name -> {sorted label items: value}, as Prometheus would scrape them."""
     collector = OutputRateCollector(clock=clock or (lambda: 0.0))
     collector.update(0, "tiny", payload)
@@ -165,7 +176,7 @@ def test_limits_versions_and_reclaims_are_rendered() -> None:
             metrics,
             default_rate=500,
             num_reclaims=3,
-            num_tokens_dropped=120,
+            num_reclaimed_tokens=120,
             config_version=7,
             connected=True,
         )

@@ -279,7 +279,7 @@ def test_waiting_requests_of_a_user_without_budget_are_not_admitted(
     assert second.status == RequestStatus.WAITING
     assert second.num_computed_tokens == 0
     ready = sched.output_rate_limiter.ready_at_ns("a")
-    assert sched.output_rate_wakeup_ns == ready
+    assert sched.output_rate_planner.wakeup_ns == ready
     assert 0 < sched.output_rate_wait_s() <= 0.05
     clock.now_ns = ready
     drive(sched, num_steps=2, clock=clock, step_ms=1)

@@ -8,8 +8,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine_ext import stat_logger
-from engine_ext.metrics import PAYLOAD_FIELD, EngineMetrics, OutputRateCollector
+from engine_ext.metrics import (
+    PAYLOAD_FIELD,
+    EngineMetrics,
+    OutputRateCollector,
+    decode_snapshot,
+    encode_snapshot,
+)
 from harness.scheduler import FakeClock, drive, make_request, make_scheduler
+from tests.engine_ext.test_metrics import figures
 
 
 def test_stats_field_survives_vllms_engine_output_encoding_and_is_added_once() -> None:
@@ -59,14 +66,7 @@ def test_stat_logger_feeds_the_collector(monkeypatch: pytest.MonkeyPatch) -> Non
     setattr(
         stats,
         PAYLOAD_FIELD,
-        metrics.snapshot(
-            rate_of=lambda user: 5,
-            default_rate=None,
-            num_reclaims=0,
-            num_tokens_dropped=0,
-            config_version=None,
-            connected=None,
-        ),
+        encode_snapshot(metrics.snapshot(figures(rate_of=lambda user: 5))),
     )
     logger.record(stats, None, engine_idx=0)
     registry = CollectorRegistry()
@@ -103,22 +103,21 @@ def test_scheduler_counts_match_tokens_and_only_the_limited_user_is_throttled(
     # make_stats attaches a snapshot at most once a second.
     clock.advance_ms(1000)
     stats = sched.make_stats()
-    payload = getattr(stats, PAYLOAD_FIELD)
-    assert payload is not None
+    payload = decode_snapshot(getattr(stats, PAYLOAD_FIELD))
     assert getattr(sched.make_stats(), PAYLOAD_FIELD) is None
-    users = payload["users"]
+    users = payload.users
     slow_tokens = len(trace.times_of({r.request_id for r in slow}))
     fast_tokens = len(trace.times_of({r.request_id for r in fast}))
     # Granted counts equal sampled tokens (the last step's grants are sampled after the trace).
-    assert users["slow"][0] - slow_tokens in (0, 1, 2)
-    assert users["fast"][0] - fast_tokens in (0, 1)
-    assert users["slow"][1] > 0 and users["fast"][1] == 0
-    assert users["slow"][2] == 20 and users["fast"][2] is None
-    assert payload["throttled_resident"] in (1, 2)
+    assert users["slow"].num_granted - slow_tokens in (0, 1, 2)
+    assert users["fast"].num_granted - fast_tokens in (0, 1)
+    assert users["slow"].num_throttled > 0 and users["fast"].num_throttled == 0
+    assert users["slow"].rate == 20 and users["fast"].rate is None
+    assert payload.num_throttled_resident in (1, 2)
     # Intervals: only the throttled user, spaced 1/20 s on engine time.
-    ((tier, values),) = payload["intervals"].items()
+    ((tier, values),) = payload.intervals.items()
     assert tier == "(none)"
-    counts, total = values[:-1], values[-1]
+    counts, total = values.counts, values.sum_s
     # Watched from the first usage report on (after 1 s): ~2 s at 20 tok/s.
     assert sum(counts) > 30
     assert 0.045 < total / sum(counts) < 0.055
@@ -126,4 +125,5 @@ def test_scheduler_counts_match_tokens_and_only_the_limited_user_is_throttled(
     sched.output_rate_limiter.replace_all(None, {})
     drive(sched, num_steps=3, clock=clock)
     clock.advance_ms(1000)
-    assert getattr(sched.make_stats(), PAYLOAD_FIELD)["throttled_resident"] == 0
+    last = decode_snapshot(getattr(sched.make_stats(), PAYLOAD_FIELD))
+    assert last.num_throttled_resident == 0

@@ -13,7 +13,7 @@ from control_plane.push import keys
 from control_plane.push.usage import UsageBook
 from control_plane.settings import Settings
 from output_rate_core import protocol as p
-from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, public_key_of
+from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV
 
 
 class FakeClock:
@@ -61,7 +61,7 @@ def test_keys_written_for_the_control_plane_and_each_engine(tmp_path: Path) -> N
     ]
     # Each engine key may claim only its own engine id.
     assert settings.allowed_engine_keys() == {
-        public_key_of(secret): frozenset({f"engine-{i}"})
+        zmq.curve_public(secret.encode()).decode(): frozenset({f"engine-{i}"})
         for i, secret in enumerate(engine_secrets, 1)
     }
     assert (out / "engine-1.env").read_text().startswith(ENGINE_SECRET_KEY_ENV + "=")
