@@ -333,7 +333,7 @@ def test_all_throttled_step_schedules_nothing() -> None:
     out = sched.schedule()
     assert out.total_num_scheduled_tokens == 0
     assert sched.has_requests()
-    assert sched.output_rate_wakeup_ns is not None
+    assert sched.output_rate_planner.wakeup_ns is not None
     assert sched.output_rate_wait_s() == pytest.approx(0.05)
 
 
