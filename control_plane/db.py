@@ -1,8 +1,8 @@
 """The database: one engine, and one transaction per call of a service.
 
 A service function takes the Connection of one transaction and declares, once, where
-`Database.run` runs it: `@service("read")`, `"scan"`, `"write"` or `"write_batch"` (the
-module doc below says what each costs). Routes only `await db.run(fn, ...)`.
+`Database.run` runs it: `@service("read")`, `"scan"`, `"write"` or `"write_batch"`
+(`Policy` below). Routes only `await db.run(fn, ...)`.
 
 SQLite needs help to serialize writers: pysqlite's own transaction handling is switched
 off so that write transactions start with BEGIN IMMEDIATE, taking the write lock up front
@@ -102,14 +102,12 @@ _WRITES: frozenset[Policy] = frozenset({"write", "write_batch"})
 
 
 class Service(Generic[P, T]):
-    """A service function with its policy. Called directly, it is the plain function
-    (a test or a thread that holds a connection runs it in its own transaction)."""
+    """A service function with its policy. Called with a Connection it is the plain
+    function, in that connection's transaction (another service, a test)."""
 
     def __init__(self, fn: Callable[Concatenate[Connection, P], T], policy: Policy) -> None:
         self.fn = fn
         self.policy = policy
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
 
     def __call__(self, conn: Connection, /, *args: P.args, **kwargs: P.kwargs) -> T:
         return self.fn(conn, *args, **kwargs)
