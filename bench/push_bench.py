@@ -34,9 +34,10 @@ from pathlib import Path
 import httpx
 import zmq
 
-from control_plane import services
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
+from control_plane.limits import service as limits
+from control_plane.limits.schemas import MAX_BULK_ITEMS
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
 from harness.servers import free_port
@@ -104,14 +105,14 @@ class BenchEngine:
 def seed_users(db_url: str, num_users: int) -> None:
     engine = make_engine(db_url)
     db = Database(engine)
-    db.write_now(services.put_tier, actor="bench", name="free", rate=20, description=None)
-    step = services.MAX_BULK_ITEMS
+    db.write_now(limits.put_tier, actor="bench", name="free", rate=20, description=None)
+    step = MAX_BULK_ITEMS
     for start in range(0, num_users, step):
         items = [
             (f"user-{i:07d}", None if i % 3 else i % 1000 + 1, "free" if i % 2 else None)
             for i in range(start, min(num_users, start + step))
         ]
-        db.write_now(services.bulk_put_limits, actor="bench", items=items)
+        db.write_now(limits.bulk_put_limits, actor="bench", items=items)
     engine.dispose()
 
 

@@ -1,9 +1,12 @@
-"""The FastAPI application: REST API, metrics and the admin UI."""
+"""The composition of the control plane: the FastAPI application (REST API, metrics,
+the admin UI) and, for `output-rate serve`, the push endpoint and the usage history
+wired to it. Nothing else wires parts together."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +14,26 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy import Connection
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from control_plane import __version__
-from control_plane.api import router
+from control_plane import __version__, routes
+from control_plane.audit import routes as audit_routes
 from control_plane.db import Database, make_engine
+from control_plane.deps import AppState
 from control_plane.edge import EdgeGuard
+from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
-from control_plane.metrics import install_metrics
+from control_plane.limits import routes as limit_routes
+from control_plane.metrics import Metrics, MetricsMiddleware
+from control_plane.push.metrics import PushCollector
+from control_plane.push.server import PushServer
 from control_plane.settings import Settings
+from control_plane.tokens import routes as token_routes
+from control_plane.usage import routes as usage_routes
+from control_plane.usage.book import NoUsage, UsageBook, UsageSource
+from control_plane.usage.history import UsageRecorder
+from control_plane.usage.metrics import UsageCollector
 
 # The built admin UI (scripts/build_ui.py): only the files the browser loads.
 UI_DIR = Path(__file__).resolve().parent / "ui"
@@ -32,24 +45,25 @@ INSECURE_WARNING = (
 )
 
 
-class NoUsage:
-    """Usage source until the push server provides live figures."""
-
-    def usage_items(self, conn: Connection) -> list[dict[str, Any]]:
-        return []
-
-
 def _field_name(loc: Sequence[Any]) -> str:
     """("body", "items", 3, "tier") -> "items.3.tier"; a malformed body is "body"."""
     parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "path", "query") else []
     return ".".join(parts) or (str(loc[0]) if loc else "body")
 
 
-def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI:
-    """The API on an already migrated database (`output-rate db upgrade`).
+def create_app(
+    settings: Settings,
+    *,
+    insecure_no_auth: bool = False,
+    db: Database | None = None,
+    usage_source: UsageSource | None = None,
+    collectors: Iterable[Collector] = (),
+) -> FastAPI:
+    """The API on an already migrated database (`output-rate db upgrade`): on `db` (by
+    default its own, on settings.database_url), showing `usage_source` as live usage (by
+    default none), with `collectors` in its /metrics.
 
-    app.state offers db (control_plane.db.Database: its on_commit callables get each new
-    config version after its commit) and usage_source (what GET /usage shows).
+    What the routes use is `app.state.control_plane` (control_plane.deps.AppState).
     """
     if settings.admin_token is None and not insecure_no_auth:
         raise ConfigurationError(
@@ -59,10 +73,19 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
     if insecure_no_auth:
         logger.warning(INSECURE_WARNING)
     app = FastAPI(title="vllm-output-rate control plane", version=__version__)
-    app.state.settings = settings
-    app.state.insecure_no_auth = insecure_no_auth
-    app.state.db = Database(make_engine(settings.database_url))
-    app.state.usage_source = NoUsage()
+    usage_source = NoUsage() if usage_source is None else usage_source
+    metrics = Metrics(
+        engine_timeout_s=settings.engine_timeout_s,
+        usage_source=usage_source,
+        collectors=collectors,
+    )
+    app.state.control_plane = AppState(
+        settings=settings,
+        db=Database(make_engine(settings.database_url)) if db is None else db,
+        usage_source=usage_source,
+        metrics=metrics,
+        insecure_no_auth=insecure_no_auth,
+    )
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)
@@ -93,10 +116,11 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
             headers=exc.headers,
         )
 
-    app.include_router(router)
+    for domain in (routes, limit_routes, engine_routes, usage_routes, audit_routes, token_routes):
+        app.include_router(domain.router)
     # Inside the metrics middleware, so refused requests are counted too.
     app.add_middleware(EdgeGuard)
-    install_metrics(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     if (UI_DIR / "index.html").exists():
         app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
@@ -106,3 +130,35 @@ def create_app(settings: Settings, *, insecure_no_auth: bool = False) -> FastAPI
         return RedirectResponse("/ui/" if (UI_DIR / "index.html").exists() else "/docs")
 
     return app
+
+
+@dataclass(frozen=True)
+class Served:
+    """What `output-rate serve` runs: the app, and beside it the push endpoint and the
+    usage history (started and closed by the caller)."""
+
+    app: FastAPI
+    db: Database
+    push: PushServer
+    history: UsageRecorder
+
+
+def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> Served:
+    """The app with its push endpoint: every commit wakes the push server, engines'
+    usage reports feed GET /usage, /metrics and the usage history."""
+    db = Database(make_engine(settings.database_url))
+    book = UsageBook()
+    push = PushServer.from_settings(settings, db=db, usage=book)
+    db.on_commit.append(push.notify)
+    history = UsageRecorder(db, retention_days=settings.usage_retention_days)
+    book.on_report.append(history.add)
+    app = create_app(
+        settings,
+        insecure_no_auth=insecure_no_auth,
+        db=db,
+        usage_source=book,
+        collectors=[PushCollector(push), UsageCollector(book)],
+    )
+    # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
+    app.router.on_shutdown.append(history.close)
+    return Served(app=app, db=db, push=push, history=history)

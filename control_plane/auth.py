@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 
-from control_plane import services
+from control_plane.deps import AppState, app_state
+from control_plane.tokens import service as tokens
 
 # Where the edge guard leaves the principal (scope["state"], i.e. request.state).
 PRINCIPAL_KEY = "output_rate_principal"
@@ -30,9 +31,9 @@ def _bearer(authorization: str) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def authenticate(app_state: Any, authorization: str) -> Principal:
+async def authenticate(state: AppState, authorization: str) -> Principal:
     """The principal of an Authorization header value; HTTPException 401 if none."""
-    if app_state.insecure_no_auth:
+    if state.insecure_no_auth:
         return Principal("anonymous-admin", can_write=True)
     token = _bearer(authorization)
     if token is None:
@@ -41,11 +42,11 @@ async def authenticate(app_state: Any, authorization: str) -> Principal:
             "missing bearer token (Authorization header)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    admin = app_state.settings.admin_token
+    admin = state.settings.admin_token
     if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
         return Principal("admin", can_write=True)
     # Only viewer tokens touch the database.
-    viewer = await app_state.db.read(services.viewer_token_name, token=token)
+    viewer = await state.db.run(tokens.viewer_token_name, token=token)
     if viewer is not None:
         return Principal(f"viewer:{viewer}", can_write=False)
     raise HTTPException(
@@ -63,7 +64,7 @@ async def _principal(request: Request) -> Principal:
     known: Principal | None = getattr(request.state, PRINCIPAL_KEY, None)
     if known is not None:
         return known
-    return await authenticate(request.app.state, request.headers.get("authorization", ""))
+    return await authenticate(app_state(request.app), request.headers.get("authorization", ""))
 
 
 async def reader(request: Request) -> Principal:

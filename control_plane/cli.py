@@ -6,10 +6,8 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from alembic.config import Config
-from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -47,7 +45,7 @@ def downgrade(database_url: str, revision: str) -> None:
 def serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from control_plane.app import create_app
+    from control_plane.app import create_served_app
 
     if settings.admin_token is None and not args.insecure_no_auth:
         print(
@@ -60,18 +58,18 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     port = settings.port if args.port is None else args.port
     upgrade(settings.database_url)
     # create_app logs the loud warning when authentication is off.
-    app = create_app(settings, insecure_no_auth=args.insecure_no_auth)
+    served = create_served_app(settings, insecure_no_auth=args.insecure_no_auth)
     # The live push endpoint (control_plane/push) runs beside the API and stops with it.
-    push = start_push_server(app, settings)
-    history = start_usage_history(app, settings, push)
+    served.push.start()
+    served.history.start()
     print(
-        startup_summary(settings, host, port, push.endpoint, auth=not args.insecure_no_auth),
+        startup_summary(settings, host, port, served.push.endpoint, auth=not args.insecure_no_auth),
         file=sys.stderr,
         flush=True,
     )
     try:
         uvicorn.run(
-            app,
+            served.app,
             host=host,
             port=port,
             log_level="info",
@@ -79,9 +77,8 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
             access_log=args.access_log,
         )
     finally:
-        if push is not None:
-            push.close()
-        history.close()
+        served.push.close()
+        served.history.close()
     return 0
 
 
@@ -112,27 +109,6 @@ def startup_summary(
         + ("on" if settings.zmq_secret_key is not None else "OFF (plain TCP)"),
     ]
     return "\n".join(lines)
-
-
-def start_push_server(app: FastAPI, settings: Settings) -> Any:
-    """The ZMQ endpoint engines connect to (control_plane/push)."""
-    from control_plane.push.server import PushServer
-
-    server = PushServer.for_app(app, settings)
-    server.start()
-    return server
-
-
-def start_usage_history(app: FastAPI, settings: Settings, push: Any) -> Any:
-    """Per-minute usage rollups of what the push endpoint receives (control_plane/history)."""
-    from control_plane.history import UsageRecorder
-
-    recorder = UsageRecorder(app.state.db, retention_days=settings.usage_retention_days)
-    push.usage.on_report.append(recorder.add)
-    # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
-    app.router.on_shutdown.append(recorder.close)
-    recorder.start()
-    return recorder
 
 
 def keys(args: argparse.Namespace) -> int:

@@ -1,4 +1,8 @@
-"""The database: one engine, and one transaction per call of `Database.read`/`write`.
+"""The database: one engine, and one transaction per call of a service.
+
+A service function takes the Connection of one transaction and declares, once, where
+`Database.run` runs it: `@service("read")`, `"scan"`, `"write"` or `"write_batch"`
+(`Policy` below). Routes only `await db.run(fn, ...)`.
 
 SQLite needs help to serialize writers: pysqlite's own transaction handling is switched
 off so that write transactions start with BEGIN IMMEDIATE, taking the write lock up front
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
 from sqlalchemy import Connection, create_engine, event
@@ -87,6 +91,39 @@ def _configure_sqlite(engine: Engine) -> None:
             dbapi_connection.execute("BEGIN IMMEDIATE")
 
 
+# Where a service runs (Database.run):
+# - read: a small read; SQLite: on the event loop; PostgreSQL: a worker thread.
+# - scan: a read whose cost grows with the data (a deep page, a count): a worker thread.
+# - write: a small write (one user, one tier); SQLite: on the loop when the write lock
+#   is free at once, else the writer thread; PostgreSQL: the writer thread.
+# - write_batch: a write of any size: the writer thread.
+Policy = Literal["read", "scan", "write", "write_batch"]
+_WRITES: frozenset[Policy] = frozenset({"write", "write_batch"})
+
+
+class Service(Generic[P, T]):
+    """A service function with its policy. Called with a Connection it is the plain
+    function, in that connection's transaction (another service, a test)."""
+
+    def __init__(self, fn: Callable[Concatenate[Connection, P], T], policy: Policy) -> None:
+        self.fn = fn
+        self.policy = policy
+
+    def __call__(self, conn: Connection, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.fn(conn, *args, **kwargs)
+
+
+def service(
+    policy: Policy,
+) -> Callable[[Callable[Concatenate[Connection, P], T]], Service[P, T]]:
+    """Declare where `Database.run` runs the decorated service function."""
+
+    def declare(fn: Callable[Concatenate[Connection, P], T]) -> Service[P, T]:
+        return Service(fn, policy)
+
+    return declare
+
+
 @dataclass(frozen=True)
 class ConfigChange(Generic[T]):
     """What a write of the limit configuration returns: its result and the config
@@ -129,6 +166,23 @@ class Database:
         self._inline = threading.local()
         self._inline_connections: list[Connection] = []
         self._inline_lock = threading.Lock()
+
+    async def run(self, fn: Service[P, T], /, *a: P.args, **kw: P.kwargs) -> T:
+        """Run a service in one transaction, where its policy says."""
+        if fn.policy == "read":
+            return await self.read(fn.fn, *a, **kw)
+        if fn.policy == "scan":
+            return await self.scan(fn.fn, *a, **kw)
+        if fn.policy == "write":
+            return await self.write(fn.fn, *a, **kw)
+        return await self.write_batch(fn.fn, *a, **kw)
+
+    def run_now(self, fn: Service[P, T], /, *a: P.args, **kw: P.kwargs) -> T:
+        """Run a service in one transaction on the calling thread (a thread of its own,
+        never the event loop): a read rolled back, a write committed."""
+        if fn.policy in _WRITES:
+            return self.write_now(fn.fn, *a, **kw)
+        return self.read_now(fn.fn, *a, **kw)
 
     def read_now(
         self, fn: Callable[Concatenate[Connection, P], T], /, *a: P.args, **kw: P.kwargs

@@ -20,6 +20,7 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.auth import PRINCIPAL_KEY, authenticate, check_can_write
+from control_plane.deps import app_state
 
 # Single-object bodies (a limit, a tier, a token name) are well under 2 KiB.
 MAX_BODY_BYTES = 64 * 1024
@@ -116,7 +117,7 @@ class EdgeGuard:
         limit = body_limit(scope["path"])
         try:
             principal = await authenticate(
-                scope["app"].state, _header(scope, b"authorization") or ""
+                app_state(scope["app"]), _header(scope, b"authorization") or ""
             )
             if scope["method"] not in READ_METHODS:
                 check_can_write(principal)

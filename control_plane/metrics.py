@@ -6,15 +6,18 @@ docs/metrics.md)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable
 
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from control_plane import repository as repo
-from control_plane import services
+from control_plane.db import service
+from control_plane.engines import service as engines
+from control_plane.limits import service as limits
+from control_plane.usage import service as usage
+from control_plane.usage.book import UsageSource
 
 # Label of users that have no tier.
 NO_TIER = ""
@@ -22,10 +25,17 @@ ENGINE_STATES = ("in_sync", "lagging", "disconnected")
 
 
 class Metrics:
-    def __init__(self, state: Any = None) -> None:
-        # The app's state: settings (engine timeout) and usage_source, read at render time
-        # (the push server installs its usage source after the app is built).
-        self._state = state
+    """The app's registry; `collectors` add their own families (the push server's)."""
+
+    def __init__(
+        self,
+        *,
+        engine_timeout_s: float,
+        usage_source: UsageSource,
+        collectors: Iterable[Collector] = (),
+    ) -> None:
+        self._engine_timeout_s = engine_timeout_s
+        self._usage_source = usage_source
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "output_rate_http_requests",
@@ -80,54 +90,46 @@ class Metrics:
             ["engine_id"],
             registry=self.registry,
         )
+        for collector in collectors:
+            self.registry.register(collector)
 
     def render(self, conn: Connection) -> bytes:
         """Refresh the config gauges from the maintained counters (no table scans)."""
-        state = repo.get_config(conn)
-        self.version.set(state.version)
-        self.default_rate.set(-1 if state.default_rate is None else state.default_rate)
+        counts = limits.user_counts(conn)
+        self.version.set(counts.version)
+        self.default_rate.set(-1 if counts.default_rate is None else counts.default_rate)
         self.users.clear()
-        assigned = 0
-        for tier in repo.list_tiers(conn):
-            self.users.labels(tier.name).set(tier.num_users)
-            assigned += tier.num_users
-        self.users.labels(NO_TIER).set(state.num_users - assigned)
-        self._render_fleet(conn, state.version)
+        for tier, num in counts.num_users_per_tier.items():
+            self.users.labels(tier).set(num)
+        self.users.labels(NO_TIER).set(counts.num_users - sum(counts.num_users_per_tier.values()))
+        self._render_fleet(conn, counts.version)
         return generate_latest(self.registry)
 
     def _render_fleet(self, conn: Connection, version: int) -> None:
-        settings = getattr(self._state, "settings", None)
-        timeout_s = settings.engine_timeout_s if settings is not None else 30.0
-        counts = dict.fromkeys(ENGINE_STATES, 0)
+        states = dict.fromkeys(ENGINE_STATES, 0)
         max_lag = 0
-        for engine in services.list_engines(conn, timeout_s=timeout_s)["items"]:
-            if not engine["connected"]:
-                counts["disconnected"] += 1
+        for engine in engines.list_engines(conn, timeout_s=self._engine_timeout_s).items:
+            if not engine.connected:
+                states["disconnected"] += 1
                 continue
-            lag = version - engine["applied_version"]
-            counts["lagging" if lag > 0 else "in_sync"] += 1
+            lag = version - engine.applied_version
+            states["lagging" if lag > 0 else "in_sync"] += 1
             max_lag = max(max_lag, lag)
-        for name, num in counts.items():
+        for name, num in states.items():
             self.engines.labels(name).set(num)
         self.max_lag.set(max_lag)
-        source = getattr(self._state, "usage_source", None)
         self.tier_rate.clear()
-        totals = getattr(source, "totals", None)
-        if totals is not None:
-            usage = totals()
-            records = repo.get_users(conn, [u.user for u in usage]) if usage else {}
-            per_tier: dict[str, float] = {}
-            for u in usage:
-                record = records.get(u.user)
-                tier = record.tier if record is not None and record.tier else NO_TIER
-                per_tier[tier] = per_tier.get(tier, 0.0) + u.tokens_per_s_10s
-            for tier, rate in per_tier.items():
-                self.tier_rate.labels(tier).set(rate)
+        for tier, rate in usage.tier_rates(conn, self._usage_source.totals()).items():
+            self.tier_rate.labels(NO_TIER if tier is None else tier).set(rate)
         self.report_age.clear()
-        ages = getattr(source, "report_ages", None)
-        if ages is not None:
-            for engine_id, age in ages().items():
-                self.report_age.labels(engine_id).set(age)
+        for engine_id, age in self._usage_source.report_ages().items():
+            self.report_age.labels(engine_id).set(age)
+
+
+@service("read")
+def render(conn: Connection, *, metrics: Metrics) -> bytes:
+    """GET /metrics: the registry's text, its config and fleet gauges read now."""
+    return metrics.render(conn)
 
 
 class MetricsMiddleware:
@@ -157,11 +159,3 @@ class MetricsMiddleware:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.requests.labels(scope["method"], route, str(status)).inc()
             self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
-
-
-def install_metrics(app: FastAPI) -> Metrics:
-    metrics = Metrics(app.state)
-    app.state.metrics = metrics
-    app.state.metrics_registry = metrics.registry
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    return metrics

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
 )
@@ -77,6 +78,13 @@ def _rate_check(column: str) -> str:
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: UTCDateTime()}
+
+
+def table(model: type[Base]) -> Table:
+    """A model's table, for the repositories' Core statements."""
+    model_table = model.__table__
+    assert isinstance(model_table, Table)
+    return model_table
 
 
 class ConfigState(Base):
@@ -179,7 +187,7 @@ class Engine(Base):
 class UsageMinute(Base):
     """What engines reported for one user in one minute (GET /usage/history).
 
-    Written by control_plane/history.py; rows older than the retention
+    Written by control_plane/usage/history.py; rows older than the retention
     (OUTPUT_RATE_USAGE_RETENTION_DAYS) are pruned."""
 
     __tablename__ = "usage_minutes"

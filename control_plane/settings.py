@@ -21,6 +21,8 @@ MIN_ADMIN_TOKEN_LEN = 8
 RECOMMENDED_ADMIN_TOKEN_LEN = 16
 # An engine is shown disconnected after this many heartbeats missed, at the least.
 MIN_TIMEOUT_HEARTBEATS = 1.5
+DEFAULT_ENGINE_TIMEOUT_S = 5.0
+DEFAULT_ENGINE_RETENTION_S = 24 * 3600.0
 
 
 def variable(field: str) -> str:
@@ -44,9 +46,9 @@ class Settings(BaseSettings):
     # `output-rate keys`. Empty = any engine that knows the server's public key.
     zmq_client_keys: str = ""
     # Seconds without a heartbeat before an engine is shown as disconnected.
-    engine_timeout_s: float = 5.0
+    engine_timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S
     # Seconds after its last heartbeat an engine is dropped from GET /engines.
-    engine_retention_s: float = 24 * 3600.0
+    engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
 

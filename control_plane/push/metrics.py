@@ -1,15 +1,13 @@
-"""Prometheus view of the push server: engines, applied versions, live usage."""
+"""Prometheus view of the push server: engines, applied versions, refused messages."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from control_plane.push.server import PushServer
+from control_plane.push.server import PushServer
 
 
 class PushCollector(Collector):
@@ -42,24 +40,3 @@ class PushCollector(Collector):
         )
         refused.add_metric([], self._server.num_snapshots_refused)
         yield refused
-        left_out = CounterMetricFamily(
-            "output_rate_usage_users_left_out",
-            "Users of usage reports left out: /usage already tracks its maximum of users",
-        )
-        left_out.add_metric([], self._server.usage.num_users_left_out)
-        yield left_out
-        rate = GaugeMetricFamily(
-            "output_rate_user_output_tokens_per_second",
-            "Output tokens/s per user over the last 10 s, summed over engines",
-            labels=["user"],
-        )
-        throttled = GaugeMetricFamily(
-            "output_rate_user_throttled_fraction",
-            "Fraction of a user's request-steps refused a token over the last 10 s",
-            labels=["user"],
-        )
-        for usage in self._server.usage.totals():
-            rate.add_metric([usage.user], usage.tokens_per_s_10s)
-            throttled.add_metric([usage.user], usage.throttled_fraction)
-        yield rate
-        yield throttled

@@ -34,9 +34,11 @@ from typing import Any
 
 import zmq
 
-from control_plane import services
 from control_plane.db import Database
-from control_plane.push.usage import UsageBook
+from control_plane.engines import service as engines
+from control_plane.limits import service as limits
+from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
+from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
 from output_rate_core.zmq_util import make_socket
 
@@ -47,7 +49,6 @@ STATUS_FLUSH_INTERVAL_S = 0.2
 # At most one snapshot per connection this often, whatever asks for it (HELLO, RESYNC,
 # a pruned change log); below the engines' retry period.
 SNAPSHOT_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
-RESYNC_MIN_INTERVAL_S = SNAPSHOT_MIN_INTERVAL_S
 # Engine messages handled before the loop publishes and beats again.
 MAX_MESSAGES_PER_DRAIN = 1000
 # Connections bound to an engine at once; more are refused (each holds a snapshot's
@@ -125,8 +126,9 @@ class PushServer:
         db: Database,
         secret_key: str | None = None,
         client_public_keys: Iterable[str] | Mapping[str, frozenset[str] | None] | None = None,
-        engine_timeout_s: float = 5.0,
-        engine_retention_s: float = 24 * 3600.0,
+        usage: UsageBook | None = None,
+        engine_timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
+        engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
         poll_interval_s: float = 1.0,
     ) -> None:
@@ -145,13 +147,13 @@ class PushServer:
         self._engine_retention_s = engine_retention_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._poll_interval_s = poll_interval_s
-        self.usage = UsageBook()
+        # Where usage reports go (None: nobody reads them; they are dropped).
+        self._usage = usage
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
         self.peers: dict[bytes, Peer] = {}
         # engine id -> the identity bound to it
         self._owners: dict[str, bytes] = {}
         self.drops = DropLog()
-        self.num_snapshots = 0
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
         self._next_sweep = 0.0
@@ -175,8 +177,8 @@ class PushServer:
         return self.drops.total
 
     @classmethod
-    def for_app(cls, app: Any, settings: Any) -> PushServer:
-        """The server `output-rate serve` runs, wired to the app's commits and /usage."""
+    def from_settings(cls, settings: Settings, *, db: Database, usage: UsageBook) -> PushServer:
+        """The server `output-rate serve` runs; warns about what its settings leave open."""
         secret = settings.zmq_secret_key.get_secret_value() if settings.zmq_secret_key else None
         client_keys = settings.allowed_engine_keys()
         if secret is None:
@@ -204,22 +206,15 @@ class PushServer:
                 "engines connect with --control-plane-public-key '%s'",
                 zmq.curve_public(secret.encode()).decode(),
             )
-        server = cls(
+        return cls(
             endpoint=settings.zmq_endpoint,
-            db=app.state.db,
+            db=db,
             secret_key=secret,
             client_public_keys=client_keys or None,
+            usage=usage,
             engine_timeout_s=settings.engine_timeout_s,
             engine_retention_s=settings.engine_retention_s,
         )
-        app.state.db.on_commit.append(server.notify)
-        app.state.usage_source = server.usage
-        registry = getattr(app.state, "metrics_registry", None)
-        if registry is not None:
-            from control_plane.push.metrics import PushCollector
-
-            registry.register(PushCollector(server))
-        return server
 
     # ---- lifecycle (any thread) -------------------------------------------
 
@@ -382,7 +377,8 @@ class PushServer:
                 peer.applied_version = message.version
         else:
             assert isinstance(message, p.Usage)
-            self.usage.add(message, engine_id=peer.engine_id)
+            if self._usage is not None:
+                self._usage.add(message, engine_id=peer.engine_id)
         peer.last_seen = now
         self._dirty.add(identity)
 
@@ -425,16 +421,15 @@ class PushServer:
 
     def _snapshot_frame(self) -> tuple[int, bytes]:
         cached = self._snapshot_cache
-        if cached is not None and cached[0] == self._db.read_now(services.current_version):
+        if cached is not None and cached[0] == self._db.run_now(limits.current_version):
             return cached
-        snap = self._db.read_now(services.load_snapshot)
+        snap = self._db.run_now(limits.load_snapshot)
         self._snapshot_cache = (snap.version, p.encode(snap))
         return self._snapshot_cache
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
         version, frame = self._snapshot_frame()
         self._send(router, identity, frame)
-        self.num_snapshots += 1
         peer.sent_version = version
         peer.last_snapshot_at = time.monotonic()
 
@@ -442,7 +437,7 @@ class PushServer:
         if not self.peers:
             return
         oldest = min(peer.sent_version for peer in self.peers.values())
-        changes = self._db.read_now(services.load_changes_since, oldest)
+        changes = self._db.run_now(limits.load_changes_since, oldest)
         if not changes:
             return
         frames: dict[int, bytes] = {}
@@ -486,14 +481,14 @@ class PushServer:
         self.drops.flush(now)
         if now >= self._next_sweep:
             self._next_sweep = now + RETENTION_SWEEP_INTERVAL_S
-            self._db.write_now(services.forget_engines, retention_s=self._engine_retention_s)
+            self._db.run_now(engines.forget_engines, retention_s=self._engine_retention_s)
 
     # ---- engine status in the database ------------------------------------
 
     def _flush_status(self) -> None:
         # One row per engine_id (one connection per engine id).
         seen = {
-            peer.engine_id: services.EngineSeen(
+            peer.engine_id: engines.EngineSeen(
                 engine_id=peer.engine_id,
                 model=peer.model,
                 applied_version=peer.applied_version,
@@ -504,13 +499,13 @@ class PushServer:
         }
         self._dirty.clear()
         try:
-            self._db.write_now(services.record_engines, seen=list(seen.values()))
+            self._db.run_now(engines.record_engines, seen=list(seen.values()))
         except Exception:
             # One row the database refuses must not keep every other engine's row stale:
             # write them one by one and let go of the engines whose row fails.
             for engine in seen.values():
                 try:
-                    self._db.write_now(services.record_engines, seen=[engine])
+                    self._db.run_now(engines.record_engines, seen=[engine])
                 except Exception as e:
                     self.drops.note("engine status row refused by the database", str(e)[:200])
                     owner = self._owners.get(engine.engine_id)
@@ -518,7 +513,7 @@ class PushServer:
                         self._forget(owner)
 
     def _set_disconnected(self, engine_id: str) -> None:
-        self._db.write_now(services.disconnect_engines, engine_ids=[engine_id])
+        self._db.run_now(engines.disconnect_engines, engine_ids=[engine_id])
 
     def _mark_all_disconnected(self) -> None:
-        self._db.write_now(services.disconnect_engines, engine_ids=None)
+        self._db.run_now(engines.disconnect_engines, engine_ids=None)

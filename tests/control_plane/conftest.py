@@ -19,4 +19,4 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def client(db_url: str) -> Iterator[TestClient]:
     with make_client(db_url) as c:
         yield c
-        c.app.state.db.dispose()  # type: ignore[attr-defined]
+        c.app.state.control_plane.db.dispose()  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, create_engine, text
 from control_plane.app import create_app
 from control_plane.cli import upgrade
 from control_plane.settings import Settings
+from control_plane.usage.book import UsageSource
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 ADMIN_TOKEN = "admin-secret-token"
@@ -44,8 +45,8 @@ def make_settings(url: str, **overrides: object) -> Settings:
     return Settings(database_url=url, admin_token=ADMIN_TOKEN, **overrides)  # type: ignore[arg-type]
 
 
-def make_client(url: str) -> TestClient:
-    client = TestClient(create_app(make_settings(url)))
+def make_client(url: str, *, usage_source: UsageSource | None = None) -> TestClient:
+    client = TestClient(create_app(make_settings(url), usage_source=usage_source))
     client.headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
     return client
 

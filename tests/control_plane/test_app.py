@@ -24,7 +24,7 @@ def test_insecure_no_auth_lets_anyone_write(db_url: str, caplog: pytest.LogCaptu
     with TestClient(app) as client:
         assert client.put("/limits/a", json={"output_tokens_per_second": 3}).status_code == 200
         assert client.get("/audit").json()["items"][0]["actor"] == "anonymous-admin"
-    app.state.db.dispose()
+    app.state.control_plane.db.dispose()
 
 
 def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
@@ -34,7 +34,7 @@ def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
     def broken(_version: int) -> None:
         raise RuntimeError("a failing hook must not fail the write")
 
-    app.state.db.on_commit.extend([seen.append, broken])
+    app.state.control_plane.db.on_commit.extend([seen.append, broken])
     with TestClient(app) as client:
         client.headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
         assert client.put("/limits/a", json={"output_tokens_per_second": 3}).status_code == 200
@@ -43,7 +43,7 @@ def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
         assert client.put("/limits/b", json={"tier": "missing"}).status_code == 422
         assert client.delete("/limits/nobody").status_code == 204
         assert seen == [1, 2]
-    app.state.db.dispose()
+    app.state.control_plane.db.dispose()
 
 
 def test_totals_and_tier_counts_follow_every_kind_of_write(client: TestClient) -> None:

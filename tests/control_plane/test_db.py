@@ -7,16 +7,16 @@ import threading
 
 from sqlalchemy import Connection
 
-from control_plane import services
 from control_plane.db import ConfigChange, Database, make_engine
+from control_plane.limits import service as limits
 from tests.control_plane.factories import writers_lock_held
 
 
 def _put(conn: Connection, *, user: str, rate: int) -> ConfigChange[tuple[str, int]]:
     """put_limit, and the thread it ran on."""
-    change = services.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
+    change = limits.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
     return ConfigChange(
-        (threading.current_thread().name, change.result["version"]), change.new_version
+        (threading.current_thread().name, change.result.version), change.new_version
     )
 
 
@@ -75,8 +75,8 @@ def test_reads_after_an_inline_write_do_not_take_the_write_lock(db_url: str) -> 
         with writers_lock_held(db_url) as conn:
             rates = []
             for _ in range(3):
-                view = await asyncio.wait_for(db.read(services.get_limit, user="alice"), 10)
-                rates.append(view["effective_output_tokens_per_second"])
+                view = await asyncio.wait_for(db.read(limits.get_limit, user="alice"), 10)
+                rates.append(view.effective_output_tokens_per_second)
             conn.rollback()
         return rates
 

@@ -43,4 +43,4 @@ def test_api_never_fails_on_any_input(db_url: str, mode: schemathesis.Generation
 
         run()
     finally:
-        app.state.db.dispose()
+        app.state.control_plane.db.dispose()

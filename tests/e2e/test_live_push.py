@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane import services
 from control_plane.db import Database, make_engine
+from control_plane.limits import service as limits
 from harness.client import StreamResult, run, stream_completion, user_rate
 from harness.servers import ControlPlane, VllmServer, free_port
 
@@ -116,8 +116,8 @@ def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) ->
     # A change made while the engines are cut off from it (written to the database).
     engine = make_engine(cp.db_url)
     db = Database(engine)
-    db.write_now(services.put_limit, actor="test", user="user-a", rate=60, tier=None)
-    version = db.read_now(services.current_version)
+    db.write_now(limits.put_limit, actor="test", user="user-a", rate=60, tier=None)
+    version = db.read_now(limits.current_version)
     engine.dispose()
     stack.control_plane = cp = stack.start_control_plane()
     cp.wait_applied(version)

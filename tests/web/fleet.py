@@ -13,7 +13,7 @@ import httpx
 import zmq
 
 from control_plane.db import Database, make_engine
-from control_plane.history import UsageRecorder
+from control_plane.usage.history import UsageRecorder
 from harness.servers import ControlPlane
 from output_rate_core import protocol as p
 

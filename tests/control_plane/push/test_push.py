@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from control_plane import services
 from control_plane.db import Database, make_engine
+from control_plane.engines.service import list_engines
+from control_plane.limits import service as limits
 from control_plane.push.server import PushServer
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import LimitTable, PushClient
@@ -38,11 +39,11 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
 def write(db: Database, server: PushServer | None, fn: Callable, **kw) -> None:
     db.write_now(fn, actor="test", **kw)
     if server is not None:
-        server.notify(db.read_now(services.current_version))
+        server.notify(db.read_now(limits.current_version))
 
 
 def expected(db: Database) -> tuple[int, int | None, dict[str, int | None]]:
-    snap = db.read_now(services.load_snapshot)
+    snap = db.read_now(limits.load_snapshot)
     limiter = OutputRateLimiter(None)
     LimitTable().load(snap, limiter)
     return snap.version, limiter.default_rate, limiter.user_rates()
@@ -92,10 +93,10 @@ def server(db: Database) -> Iterator[PushServer]:
 
 
 def seed(db: Database) -> None:
-    write(db, None, services.put_tier, name="free", rate=20, description=None)
-    write(db, None, services.put_default, rate=50)
-    write(db, None, services.put_limit, user="a", rate=None, tier="free")
-    write(db, None, services.put_limit, user="b", rate=7, tier="free")
+    write(db, None, limits.put_tier, name="free", rate=20, description=None)
+    write(db, None, limits.put_default, rate=50)
+    write(db, None, limits.put_limit, user="a", rate=None, tier="free")
+    write(db, None, limits.put_limit, user="b", rate=7, tier="free")
 
 
 @pytest.mark.parametrize(
@@ -109,13 +110,13 @@ def test_snapshot_then_deltas_then_acks(db, server: PushServer) -> None:
     try:
         version, default, rates = converge([engine], db)
         assert (default, rates) == (50, {"a": 20, "b": 7})
-        write(db, server, services.put_tier, name="free", rate=99, description=None)
+        write(db, server, limits.put_tier, name="free", rate=99, description=None)
         version, _, rates = converge([engine], db)
         assert rates == {"a": 99, "b": 7}
         assert engine.limiter.rate_of("nobody") == 50
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            engines = db.read_now(services.list_engines, timeout_s=5)["items"]
+            engines = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
             if engines and engines[0]["applied_version"] == version:
                 break
             time.sleep(0.05)
@@ -157,7 +158,7 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
         assert engine.client.wait_for_snapshot(WAIT_S)
         converge([engine], db)
         for i in range(60):
-            write(db, server, services.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)
+            write(db, server, limits.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)
             engine.state()
         assert server.num_faults > 0
         converge([engine], db)
@@ -186,18 +187,18 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(db, server: PushS
                 write(
                     db,
                     server,
-                    services.put_limit,
+                    limits.put_limit,
                     user=f"u{rng.randrange(200)}",
                     rate=rate,
                     tier=tier,
                 )
             elif kind < 0.75:
-                write(db, server, services.delete_limit, user=f"u{rng.randrange(200)}")
+                write(db, server, limits.delete_limit, user=f"u{rng.randrange(200)}")
             elif kind < 0.85:
                 write(
                     db,
                     server,
-                    services.put_tier,
+                    limits.put_tier,
                     name="free",
                     rate=rng.randint(1, 500),
                     description=None,
@@ -206,7 +207,7 @@ def test_twenty_engines_converge_after_a_burst_of_1000_changes(db, server: PushS
                 write(
                     db,
                     server,
-                    services.put_default,
+                    limits.put_default,
                     rate=rng.choice([None, rng.randint(1, 100)]),
                 )
         version, _, _ = converge(engines, db, timeout_s=60)
@@ -262,7 +263,7 @@ def test_garbage_and_oversized_frames_are_dropped_and_counted(db, server: PushSe
             assert time.monotonic() < deadline, server.num_dropped
             time.sleep(0.02)
         converge([engine], db)
-        write(db, server, services.put_default, rate=9)
+        write(db, server, limits.put_default, rate=9)
         assert converge([engine], db)[1] == 9
         assert {peer.engine_id for peer in server.peers.values()} == {"e1"}
     finally:
@@ -288,7 +289,7 @@ def test_only_listed_engine_keys_are_admitted(db) -> None:
     stranger = Engine(server.endpoint, "stranger", key, stranger_secret.decode())
     try:
         converge([good], db)
-        write(db, server, services.put_default, rate=3)
+        write(db, server, limits.put_default, rate=3)
         converge([good], db)
         time.sleep(1.0)
         assert stranger.state() == (0, None, {})
@@ -304,13 +305,13 @@ def test_only_listed_engine_keys_are_admitted(db) -> None:
 def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from control_plane.app import create_app
+    from control_plane.app import create_served_app
     from tests.control_plane.factories import ADMIN_TOKEN, make_settings
 
     with fresh_database("sqlite", tmp_path) as url:
         settings = make_settings(url, zmq_endpoint="tcp://127.0.0.1:0", engine_timeout_s=1.5)
-        app = create_app(settings)
-        server = PushServer.for_app(app, settings)
+        served = create_served_app(settings)
+        app, server = served.app, served.push
         server.start()
         api = TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         engine = Engine(server.endpoint, "e1")
@@ -350,7 +351,7 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
         finally:
             engine.client.close()
             server.close()
-            app.state.db.dispose()
+            served.db.dispose()
 
 
 def test_malformed_frames_are_logged_once_then_summarised(
@@ -402,7 +403,7 @@ def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
             server._owners[engine_id] = identity
             server._dirty.add(identity)
         server._flush_status()
-        rows = db.read_now(services.list_engines, timeout_s=5)["items"]
+        rows = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
         assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
         assert set(server.peers) == {b"good"}
         assert server.num_dropped == 1

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import zmq
 
-from control_plane import services
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
+from control_plane.limits import service as limits
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
@@ -99,7 +99,7 @@ class ControlPlane:
         """The database's limits, flattened the way engines flatten them."""
         engine = make_engine(self.db_url)
         try:
-            snap = Database(engine).read_now(services.load_snapshot)
+            snap = Database(engine).read_now(limits.load_snapshot)
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)
@@ -112,11 +112,9 @@ class ControlPlane:
         engine = make_engine(self.db_url)
         try:
             offline = Database(engine)
+            offline.write_now(limits.put_limit, actor="script", user="offline", rate=11, tier=None)
             offline.write_now(
-                services.put_limit, actor="script", user="offline", rate=11, tier=None
-            )
-            offline.write_now(
-                services.put_tier, actor="script", name="free", rate=33, description=None
+                limits.put_tier, actor="script", name="free", rate=33, description=None
             )
         finally:
             engine.dispose()
@@ -221,8 +219,8 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
     upgrade(db_url)
     db = make_engine(db_url)
     database = Database(db)
-    database.write_now(services.put_default, actor="t", rate=40)
-    database.write_now(services.put_limit, actor="t", user="a", rate=7, tier=None)
+    database.write_now(limits.put_default, actor="t", rate=40)
+    database.write_now(limits.put_limit, actor="t", user="a", rate=7, tier=None)
     server = PushServer(endpoint="tcp://127.0.0.1:0", db=database)
     server.start()
     # The seam: the flags' config plus the endpoint, as --control-plane-endpoint gives it.
@@ -245,8 +243,8 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
         limiter = scheduler.output_rate_limiter  # type: ignore[attr-defined]
         # The connection waited for the snapshot: the flags' limits are replaced before any step.
         assert (limiter.default_rate, limiter.user_rates()) == (40, {"a": 7})
-        database.write_now(services.put_limit, actor="t", user="b", rate=3, tier=None)
-        version = database.read_now(services.current_version)
+        database.write_now(limits.put_limit, actor="t", user="b", rate=3, tier=None)
+        version = database.read_now(limits.current_version)
         server.notify(version)
         deadline = time.monotonic() + WAIT_S
         while client.applied_version < version:

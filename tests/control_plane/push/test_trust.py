@@ -307,7 +307,7 @@ def test_hello_flood_gets_one_snapshot_per_interval_and_spares_real_engines(
 
 
 def test_usage_reports_cannot_grow_usage_without_bound(tmp_path: Path) -> None:
-    from control_plane.push.usage import MAX_TRACKED_USERS
+    from control_plane.usage.book import MAX_TRACKED_USERS
 
     with control_plane("sqlite", tmp_path) as (served, api):
         peers = [RawPeer(served.zmq_endpoint) for _ in range(2)]

@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from control_plane import services
 from control_plane.db import Database
+from control_plane.usage import service
 from output_rate_core import protocol as p
 
 logger = logging.getLogger("control_plane")
@@ -45,7 +45,7 @@ class UsageRecorder:
         self._thread: threading.Thread | None = None
 
     def add(self, report: p.Usage) -> None:
-        minute = int(self._clock()) // services.MINUTE_S * services.MINUTE_S
+        minute = int(self._clock()) // service.MINUTE_S * service.MINUTE_S
         with self._lock:
             for user, n in report.granted.items():
                 self._counts.setdefault((user, minute), [0, 0])[0] += n
@@ -59,11 +59,11 @@ class UsageRecorder:
         now = self._clock()
         due = self._last_prune is None or now - self._last_prune >= PRUNE_INTERVAL_S
         if counts:
-            self._db.write_now(
-                services.record_usage, counts={k: (v[0], v[1]) for k, v in counts.items()}
+            self._db.run_now(
+                service.record_usage, counts={k: (v[0], v[1]) for k, v in counts.items()}
             )
         if due:
-            self._db.write_now(services.prune_usage, now=now, retention_days=self.retention_days)
+            self._db.run_now(service.prune_usage, now=now, retention_days=self.retention_days)
             self._last_prune = now
 
     def start(self) -> None:

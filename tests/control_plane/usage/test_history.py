@@ -12,8 +12,8 @@ import zmq
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from control_plane.history import UsageRecorder
 from control_plane.settings import Settings
+from control_plane.usage.history import UsageRecorder
 from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.control_plane.served import serve
@@ -30,7 +30,8 @@ class FakeClock:
 
 
 def recorder(client: TestClient, clock: FakeClock, retention_days: int = 7) -> UsageRecorder:
-    return UsageRecorder(client.app.state.db, retention_days=retention_days, clock=clock)  # type: ignore[attr-defined]
+    db = client.app.state.control_plane.db  # type: ignore[attr-defined]
+    return UsageRecorder(db, retention_days=retention_days, clock=clock)
 
 
 def usage(granted: dict[str, int], throttled: dict[str, int] | None = None) -> p.Usage:
@@ -40,7 +41,7 @@ def usage(granted: dict[str, int], throttled: dict[str, int] | None = None) -> p
 def rows(client: TestClient) -> list[tuple[str, int, int, int, int | None]]:
     from sqlalchemy import text
 
-    db = client.app.state.db  # type: ignore[attr-defined]
+    db = client.app.state.control_plane.db  # type: ignore[attr-defined]
     with db.engine.connect() as conn:
         result = conn.execute(
             text(

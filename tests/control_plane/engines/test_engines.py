@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 from fastapi.testclient import TestClient
 from sqlalchemy import insert
 
-from control_plane import repository as repo
-from control_plane import services
 from control_plane.db import Database
+from control_plane.engines import repository as repo
+from control_plane.engines import service as engines
 
 
 def _seen(db: Database, engine_id: str, ago_s: float) -> None:
@@ -31,15 +31,15 @@ def _seen(db: Database, engine_id: str, ago_s: float) -> None:
 
 
 def test_ghost_engines_expire_and_can_be_deleted(client: TestClient) -> None:
-    db: Database = client.app.state.db  # type: ignore[attr-defined]
-    retention = client.app.state.settings.engine_retention_s  # type: ignore[attr-defined]
+    db: Database = client.app.state.control_plane.db  # type: ignore[attr-defined]
+    retention = client.app.state.control_plane.settings.engine_retention_s  # type: ignore[attr-defined]
     for i in range(300):  # 300 ghost HELLOs of long ago
         _seen(db, f"ghost-{i}", retention + 60)
     _seen(db, "recent", 10)
     listed = client.get("/engines").json()["items"]
     assert [e["engine_id"] for e in listed] == ["recent"]
-    assert db.write_now(services.forget_engines, retention_s=retention) == 300
-    assert db.write_now(services.forget_engines, retention_s=retention) == 0
+    assert db.write_now(engines.forget_engines, retention_s=retention) == 300
+    assert db.write_now(engines.forget_engines, retention_s=retention) == 0
     assert client.delete("/engines/recent").status_code == 204
     assert client.get("/engines").json()["items"] == []
     gone = client.delete("/engines/recent")
@@ -49,7 +49,7 @@ def test_ghost_engines_expire_and_can_be_deleted(client: TestClient) -> None:
 
 
 def test_viewers_cannot_delete_engines(client: TestClient) -> None:
-    db: Database = client.app.state.db  # type: ignore[attr-defined]
+    db: Database = client.app.state.control_plane.db  # type: ignore[attr-defined]
     _seen(db, "e1", 1)
     viewer = client.post("/tokens", json={"name": "v"}).json()["token"]
     refused = client.delete("/engines/e1", headers={"Authorization": f"Bearer {viewer}"})

@@ -1,4 +1,5 @@
-"""Queries. No rules here: the services decide, this module reads and writes rows.
+"""Limit queries: the config state, tiers, users and the change log. No rules here: the
+service decides, this module reads and writes rows.
 
 SQLAlchemy Core on a Connection: the hot statements are built once at import (their
 compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
@@ -12,39 +13,17 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import msgspec
-from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
-from control_plane.models import (
-    AuditEntry,
-    Base,
-    ConfigChange,
-    ConfigState,
-    Engine,
-    Tier,
-    UsageMinute,
-    UserLimit,
-    ViewerToken,
-)
+from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
 
 CONFIG_ROW_ID = 1
 
-
-def _table(model: type[Base]) -> Table:
-    table = model.__table__
-    assert isinstance(table, Table)
-    return table
-
-
-config_state = _table(ConfigState)
-tiers = _table(Tier)
-user_limits = _table(UserLimit)
-config_changes = _table(ConfigChange)
-audit_log = _table(AuditEntry)
-viewer_tokens = _table(ViewerToken)
-engines = _table(Engine)
-usage_minutes = _table(UsageMinute)
+config_state = table(ConfigState)
+tiers = table(Tier)
+user_limits = table(UserLimit)
+config_changes = table(ConfigChange)
 
 
 class State(NamedTuple):
@@ -369,10 +348,9 @@ def count_users(
     return int(conn.execute(query).scalar() or 0)
 
 
-# ---- change log and audit ----------------------------------------------------
+# ---- change log ----------------------------------------------------
 
 _INSERT_CHANGE = insert(config_changes)
-_INSERT_AUDIT = insert(audit_log)
 
 
 def add_change(conn: Connection, *, version: int, ops: list[p.Op]) -> None:
@@ -388,210 +366,3 @@ def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[s
         .order_by(config_changes.c.version)
     )
     return [(v, ops) for v, ops in conn.execute(query)]
-
-
-def add_audit(
-    conn: Connection,
-    *,
-    version: int,
-    actor: str,
-    action: str,
-    target: str,
-    before: Any,
-    after: Any,
-) -> None:
-    conn.execute(
-        _INSERT_AUDIT,
-        {
-            "at": datetime.now(UTC),
-            "version": version,
-            "actor": actor,
-            "action": action,
-            "target": target,
-            "before": before,
-            "after": after,
-        },
-    )
-
-
-def list_audit(
-    conn: Connection, *, limit: int, before_id: int | None = None, target: str | None = None
-) -> Sequence[Row[Any]]:
-    query = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
-    if before_id is not None:
-        query = query.where(audit_log.c.id < before_id)
-    if target is not None:
-        query = query.where(audit_log.c.target == target)
-    return conn.execute(query).all()
-
-
-def get_audit(conn: Connection, entry_id: int) -> Row[Any] | None:
-    return conn.execute(select(audit_log).where(audit_log.c.id == entry_id)).first()
-
-
-# ---- viewer tokens -------------------------------------------------------------
-
-_FIND_TOKEN = select(viewer_tokens.c.name).where(
-    viewer_tokens.c.token_hash == bindparam("token_hash"), viewer_tokens.c.revoked_at.is_(None)
-)
-
-
-def insert_viewer_token(conn: Connection, *, name: str, token_hash: str) -> int:
-    row = conn.execute(
-        insert(viewer_tokens)
-        .values(name=name, token_hash=token_hash, created_at=datetime.now(UTC))
-        .returning(viewer_tokens.c.id)
-    ).one()
-    return int(row[0])
-
-
-def get_viewer_token(conn: Connection, token_id: int) -> Row[Any] | None:
-    return conn.execute(select(viewer_tokens).where(viewer_tokens.c.id == token_id)).one_or_none()
-
-
-def revoke_viewer_token(conn: Connection, token_id: int) -> None:
-    conn.execute(
-        update(viewer_tokens)
-        .where(viewer_tokens.c.id == token_id)
-        .values(revoked_at=datetime.now(UTC))
-    )
-
-
-def find_viewer_token(conn: Connection, token_hash: str) -> str | None:
-    name: str | None = conn.execute(_FIND_TOKEN, {"token_hash": token_hash}).scalar()
-    return name
-
-
-def list_viewer_tokens(conn: Connection) -> Sequence[Row[Any]]:
-    return conn.execute(select(viewer_tokens).order_by(viewer_tokens.c.id)).all()
-
-
-# ---- engines -------------------------------------------------------------------
-
-
-def list_engines(conn: Connection) -> Sequence[Row[Any]]:
-    return conn.execute(select(engines).order_by(engines.c.engine_id)).all()
-
-
-def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
-    query = select(engines.c.engine_id).where(engines.c.engine_id.in_(ids))
-    return set(conn.execute(query).scalars())
-
-
-def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    if rows:
-        conn.execute(insert(engines), list(rows))
-
-
-def update_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """rows: engine_id, model, applied_version, last_seen (all mark it connected)."""
-    if not rows:
-        return
-    statement = (
-        update(engines)
-        .where(engines.c.engine_id == bindparam("id"))
-        .values(
-            # A peer known only from a heartbeat has no model: keep the one we had.
-            model=func.coalesce(func.nullif(bindparam("new_model"), ""), engines.c.model),
-            applied_version=bindparam("new_applied_version"),
-            connected=True,
-            last_seen=bindparam("new_last_seen"),
-        )
-    )
-    conn.execute(
-        statement,
-        [
-            {
-                "id": r["engine_id"],
-                "new_model": r["model"],
-                "new_applied_version": r["applied_version"],
-                "new_last_seen": r["last_seen"],
-            }
-            for r in rows
-        ],
-    )
-
-
-def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None) -> None:
-    """Mark the given engines (all of them for None) disconnected."""
-    statement = update(engines).values(connected=False)
-    if ids is not None:
-        statement = statement.where(engines.c.engine_id.in_(ids))
-    conn.execute(statement)
-
-
-def delete_engines_seen_before(conn: Connection, cutoff: datetime) -> int:
-    result = conn.execute(delete(engines).where(engines.c.last_seen < cutoff))
-    return int(result.rowcount or 0)
-
-
-def delete_engine(conn: Connection, engine_id: str) -> bool:
-    result = conn.execute(delete(engines).where(engines.c.engine_id == engine_id))
-    return bool(result.rowcount)
-
-
-# ---- usage history -------------------------------------------------------------
-
-
-class UsageRow(NamedTuple):
-    user: str
-    minute: int
-    tokens: int
-    throttled: int
-    limit_rate: int | None
-
-
-def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
-    """Add the counts to each (user, minute) row, creating it if new; the limit is replaced."""
-    if not rows:
-        return
-    dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    statement = dialect_insert(usage_minutes)
-    statement = statement.on_conflict_do_update(
-        index_elements=[usage_minutes.c.user, usage_minutes.c.minute],
-        set_={
-            "tokens": usage_minutes.c.tokens + statement.excluded.tokens,
-            "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
-            "limit_rate": statement.excluded.limit_rate,
-        },
-    )
-    conn.execute(statement, [r._asdict() for r in rows])
-
-
-def delete_usage_before(conn: Connection, minute: int) -> int:
-    result = conn.execute(delete(usage_minutes).where(usage_minutes.c.minute < minute))
-    return int(result.rowcount or 0)
-
-
-def usage_rows(
-    conn: Connection, *, users: Sequence[str] | None, since: int, until: int
-) -> list[UsageRow]:
-    """Rows with since <= minute < until (of these users; None: every user), by minute."""
-    query = select(
-        usage_minutes.c.user,
-        usage_minutes.c.minute,
-        usage_minutes.c.tokens,
-        usage_minutes.c.throttled,
-        usage_minutes.c.limit_rate,
-    ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
-    if users is not None:
-        query = query.where(usage_minutes.c.user.in_(list(users)))
-    return [UsageRow(*r) for r in conn.execute(query.order_by(usage_minutes.c.minute))]
-
-
-def top_usage_users(
-    conn: Connection, *, since: int, until: int, order: str, limit: int
-) -> list[str]:
-    """The users with the most throttled request-steps ("throttled", then tokens) or the
-    most tokens ("tokens") in the range."""
-    throttled = func.sum(usage_minutes.c.throttled)
-    tokens = func.sum(usage_minutes.c.tokens)
-    keys = (throttled.desc(), tokens.desc()) if order == "throttled" else (tokens.desc(),)
-    query = (
-        select(usage_minutes.c.user)
-        .where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
-        .group_by(usage_minutes.c.user)
-        .order_by(*keys, usage_minutes.c.user)
-        .limit(limit)
-    )
-    return list(conn.execute(query).scalars())

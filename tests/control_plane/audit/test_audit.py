@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from control_plane.services import MAX_AUDIT_PAGE_BYTES
+from control_plane.audit.service import MAX_AUDIT_PAGE_BYTES
 
 
 def test_audit_pages_are_bounded_and_bulk_changes_paged(client: TestClient) -> None:

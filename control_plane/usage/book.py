@@ -1,4 +1,5 @@
-"""Live usage reported by engines, aggregated for GET /usage and /metrics.
+"""Live usage reported by engines, aggregated for GET /usage and /metrics: the book the
+push server hands every report to, and what readers of live usage see of it.
 
 Each engine reports, about once a second, the output tokens it granted and the
 request-steps it refused per user, with the interval the counts cover. A
@@ -20,11 +21,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from sqlalchemy import Connection
-
-from control_plane import services
 from output_rate_core import protocol as p
 
 WINDOW_S = 10.0
@@ -42,6 +40,28 @@ class UserUsage:
     throttled_fraction: float
 
 
+class UsageSource(Protocol):
+    """What GET /usage and /metrics read of live usage."""
+
+    def totals(self) -> list[UserUsage]:
+        """Per user, over the window: tokens/s and the throttled fraction."""
+        ...
+
+    def report_ages(self) -> dict[str, float]:
+        """Seconds since each engine's last usage report."""
+        ...
+
+
+class NoUsage:
+    """The usage source of an app without a push endpoint: nothing is reported."""
+
+    def totals(self) -> list[UserUsage]:
+        return []
+
+    def report_ages(self) -> dict[str, float]:
+        return {}
+
+
 class UsageBook:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -53,7 +73,7 @@ class UsageBook:
         # user -> number of stored reports naming it
         self._users: dict[str, int] = {}
         self.num_users_left_out = 0
-        # Also called with every report (control_plane/history.py keeps the history).
+        # Also called with every report (control_plane/usage/history.py keeps the history).
         self.on_report: list[Callable[[p.Usage], None]] = []
 
     def add(self, report: p.Usage, *, engine_id: str | None = None) -> None:
@@ -151,21 +171,3 @@ class UsageBook:
         for report in recent:
             for user, n in report.granted.items():
                 into[user] = into.get(user, 0.0) + n / covered
-
-    def usage_items(self, conn: Connection) -> list[dict[str, Any]]:
-        """GET /usage rows: per user, tokens/s over the last 1 s and 10 s, the limit and
-        the fraction of request-steps that were throttled."""
-        totals = self.totals()
-        if not totals:
-            return []
-        limits = services.effective_rates(conn, [u.user for u in totals])
-        return [
-            {
-                "user": u.user,
-                "output_tokens_per_second_1s": round(u.tokens_per_s_1s, 3),
-                "output_tokens_per_second_10s": round(u.tokens_per_s_10s, 3),
-                "limit": limits[u.user],
-                "throttled_fraction": round(u.throttled_fraction, 4),
-            }
-            for u in totals
-        ]

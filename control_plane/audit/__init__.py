@@ -1,0 +1,1 @@
+"""Audit: who changed what, one entry per change (limits, tiers, the default, tokens)."""

@@ -1,0 +1,1 @@
+"""Engines: the engines the push endpoint heard from, as last seen."""

@@ -1,0 +1,21 @@
+"""Engine status bodies."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel
+
+
+class EngineOut(BaseModel):
+    engine_id: str
+    model: str
+    applied_version: int
+    connected: bool
+    last_seen: datetime
+    first_seen: datetime
+
+
+class EngineList(BaseModel):
+    version: int
+    items: list[EngineOut]

@@ -1,0 +1,99 @@
+"""Limit, tier and default-limit bodies. Strict: a rate is a JSON integer 1..1,000,000
+or null."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+from control_plane.schemas import Body
+from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
+from output_rate_core.limits import Source
+from output_rate_core.rates import MAX_RATE, MIN_RATE
+
+# POST /limits:bulk: items per request.
+MAX_BULK_ITEMS = 10_000
+# Free text: tabs and line breaks are fine, other control characters (NUL!) are not.
+TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+
+Rate = Annotated[int, Field(strict=True, ge=MIN_RATE, le=MAX_RATE)]
+TierName = Annotated[str, Field(strict=True, pattern=TIER_NAME_PATTERN)]
+UserId = Annotated[
+    str, Field(strict=True, min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)
+]
+Description = Annotated[str, Field(strict=True, max_length=1000, pattern=TEXT_PATTERN)]
+
+
+class LimitIn(Body):
+    output_tokens_per_second: Rate | None = None
+    tier: TierName | None = None
+
+
+class BulkItem(LimitIn):
+    user: UserId
+
+
+class BulkIn(Body):
+    items: Annotated[list[BulkItem], Field(max_length=MAX_BULK_ITEMS)]
+
+
+class TierIn(Body):
+    output_tokens_per_second: Rate | None = None
+    description: Description | None = None
+
+
+class LimitPatch(Body):
+    """JSON merge patch (RFC 7396) of a user's record: only the fields sent change;
+    null clears the field (no override = the tier's or default rate; no tier)."""
+
+    output_tokens_per_second: Rate | None = None
+    tier: TierName | None = None
+
+
+class TierPatch(Body):
+    """JSON merge patch of a tier: only the fields sent change; a rate of null is
+    unlimited, a description of null is empty."""
+
+    output_tokens_per_second: Rate | None = None
+    description: Description | None = None
+
+
+class DefaultIn(Body):
+    output_tokens_per_second: Rate | None = None
+
+
+class LimitOut(BaseModel):
+    user: str
+    tier: str | None
+    output_tokens_per_second: int | None = Field(description="The user's override, or null")
+    effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
+    source: Source
+    version: int
+
+
+class LimitPage(BaseModel):
+    items: list[LimitOut]
+    total: int
+
+
+class BulkOut(BaseModel):
+    version: int
+    num_changed: int
+
+
+class TierOut(BaseModel):
+    name: str
+    output_tokens_per_second: int | None
+    description: str
+    num_users: int
+    version: int
+
+
+class TierList(BaseModel):
+    items: list[TierOut]
+
+
+class DefaultOut(BaseModel):
+    output_tokens_per_second: int | None
+    version: int

@@ -1,0 +1,1 @@
+"""Tokens: the viewer tokens the admin hands out (read-only bearer tokens)."""

@@ -1,0 +1,77 @@
+"""Usage history queries: per-minute rollups of what engines reported."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from sqlalchemy import Connection, delete, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from control_plane.models import UsageMinute, table
+
+usage_minutes = table(UsageMinute)
+
+
+class UsageRow(NamedTuple):
+    user: str
+    minute: int
+    tokens: int
+    throttled: int
+    limit_rate: int | None
+
+
+def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
+    """Add the counts to each (user, minute) row, creating it if new; the limit is replaced."""
+    if not rows:
+        return
+    dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    statement = dialect_insert(usage_minutes)
+    statement = statement.on_conflict_do_update(
+        index_elements=[usage_minutes.c.user, usage_minutes.c.minute],
+        set_={
+            "tokens": usage_minutes.c.tokens + statement.excluded.tokens,
+            "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
+            "limit_rate": statement.excluded.limit_rate,
+        },
+    )
+    conn.execute(statement, [r._asdict() for r in rows])
+
+
+def delete_usage_before(conn: Connection, minute: int) -> int:
+    result = conn.execute(delete(usage_minutes).where(usage_minutes.c.minute < minute))
+    return int(result.rowcount or 0)
+
+
+def usage_rows(
+    conn: Connection, *, users: Sequence[str] | None, since: int, until: int
+) -> list[UsageRow]:
+    """Rows with since <= minute < until (of these users; None: every user), by minute."""
+    query = select(
+        usage_minutes.c.user,
+        usage_minutes.c.minute,
+        usage_minutes.c.tokens,
+        usage_minutes.c.throttled,
+        usage_minutes.c.limit_rate,
+    ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
+    if users is not None:
+        query = query.where(usage_minutes.c.user.in_(list(users)))
+    return [UsageRow(*r) for r in conn.execute(query.order_by(usage_minutes.c.minute))]
+
+
+def top_usage_users(
+    conn: Connection, *, since: int, until: int, order: str, limit: int
+) -> list[str]:
+    """The users with the most throttled request-steps ("throttled", then tokens) or the
+    most tokens ("tokens") in the range."""
+    throttled = func.sum(usage_minutes.c.throttled)
+    tokens = func.sum(usage_minutes.c.tokens)
+    keys = (throttled.desc(), tokens.desc()) if order == "throttled" else (tokens.desc(),)
+    query = (
+        select(usage_minutes.c.user)
+        .where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
+        .group_by(usage_minutes.c.user)
+        .order_by(*keys, usage_minutes.c.user)
+        .limit(limit)
+    )
+    return list(conn.execute(query).scalars())

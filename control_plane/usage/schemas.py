@@ -1,0 +1,37 @@
+"""Live usage and usage history bodies."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class UsageOut(BaseModel):
+    user: str
+    output_tokens_per_second_1s: float
+    output_tokens_per_second_10s: float
+    limit: int | None = Field(description="The user's effective limit; null: unlimited")
+    throttled_fraction: float
+
+
+class UsageList(BaseModel):
+    items: list[UsageOut]
+
+
+class HistorySeries(BaseModel):
+    user: str
+    output_tokens_per_second: list[float | None] = Field(
+        description="Per bucket: tokens/s while reported; null = nothing reported (a gap)"
+    )
+    throttled_fraction: list[float | None]
+    limit: list[int | None] = Field(description="Per bucket: the limit then; null = unlimited")
+    tokens: int
+    throttled: int
+
+
+class UsageHistoryOut(BaseModel):
+    since: int = Field(description="Unix time (s) of the first bucket")
+    until: int
+    step: int = Field(description="Seconds per bucket")
+    retention_days: int
+    times: list[int] = Field(description="Unix time (s) each bucket starts")
+    items: list[HistorySeries]

@@ -1,0 +1,160 @@
+"""Usage: live figures from a usage source, and the per-minute history in the database."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection
+
+from control_plane.db import service
+from control_plane.errors import InvalidInput
+from control_plane.limits import service as limits
+from control_plane.usage import repository as repo
+from control_plane.usage.book import UsageSource, UserUsage
+from control_plane.usage.schemas import HistorySeries, UsageHistoryOut, UsageList, UsageOut
+
+MINUTE_S = 60
+MAX_HISTORY_POINTS = 1440
+# GET /usage/history without since: this long before now.
+DEFAULT_HISTORY_S = 3600
+
+
+@service("scan")
+def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
+    """GET /usage rows: per user, tokens/s over the last 1 s and 10 s, the limit and
+    the fraction of request-steps that were throttled."""
+    totals = source.totals()
+    if not totals:
+        return UsageList(items=[])
+    rates = limits.effective_rates(conn, [u.user for u in totals])
+    return UsageList(
+        items=[
+            UsageOut(
+                user=u.user,
+                output_tokens_per_second_1s=round(u.tokens_per_s_1s, 3),
+                output_tokens_per_second_10s=round(u.tokens_per_s_10s, 3),
+                limit=rates[u.user],
+                throttled_fraction=round(u.throttled_fraction, 4),
+            )
+            for u in totals
+        ]
+    )
+
+
+def tier_rates(conn: Connection, usage: list[UserUsage]) -> dict[str | None, float]:
+    """Tokens/s over the last 10 s per tier (None: users without a tier)."""
+    tiers = limits.tiers_of(conn, [u.user for u in usage]) if usage else {}
+    per_tier: dict[str | None, float] = {}
+    for u in usage:
+        tier = tiers.get(u.user) or None
+        per_tier[tier] = per_tier.get(tier, 0.0) + u.tokens_per_s_10s
+    return per_tier
+
+
+@service("write")
+def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, int]]) -> None:
+    """Add (user, minute start) -> (tokens granted, request-steps throttled) to the
+    per-minute rollups, each with the user's effective limit now."""
+    if not counts:
+        return
+    users = sorted({user for user, _ in counts})
+    rates = limits.effective_rates(conn, users)
+    repo.add_usage(
+        conn,
+        [
+            repo.UsageRow(user, minute, tokens, throttled, rates[user])
+            for (user, minute), (tokens, throttled) in sorted(counts.items())
+        ],
+    )
+
+
+@service("write")
+def prune_usage(conn: Connection, *, now: float, retention_days: int) -> int:
+    """Drop the rollups of minutes that ended more than `retention_days` before `now`."""
+    cutoff = int(now) - retention_days * 86_400 - MINUTE_S
+    return repo.delete_usage_before(conn, cutoff)
+
+
+@service("scan")
+def usage_history(
+    conn: Connection,
+    *,
+    now: float,
+    since: datetime | None,
+    step: int,
+    user: str | None,
+    top: int,
+    order: str,
+    retention_days: int,
+) -> UsageHistoryOut:
+    """Reported usage in buckets of `step` seconds from `since` (default: an hour before
+    `now`; a time without a zone is UTC) to `now`.
+
+    Per user and bucket: output tokens/s while reported (tokens over the reported
+    minutes; a bucket with no report is null, a gap), the throttled fraction of
+    request-steps, and the limit in force (null: unlimited). Without `user`, the `top`
+    users by throttled steps ("throttled") or tokens ("tokens")."""
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    since_s = now - DEFAULT_HISTORY_S if since is None else since.timestamp()
+    if step % MINUTE_S:
+        raise InvalidInput("step: must be a whole number of minutes (60, 120, ...)", field="step")
+    start = int(since_s) // step * step
+    end = int(now) // MINUTE_S * MINUTE_S + MINUTE_S  # through the current minute
+    if start >= end:
+        raise InvalidInput("since: must be in the past", field="since")
+    num_points = -(-(end - start) // step)
+    if num_points > MAX_HISTORY_POINTS:
+        raise InvalidInput(
+            f"step: {num_points} points from since to now; at most {MAX_HISTORY_POINTS} "
+            "(choose a larger step or a later since)",
+            field="step",
+        )
+    users = (
+        [user]
+        if user is not None
+        else repo.top_usage_users(conn, since=start, until=end, order=order, limit=top)
+    )
+    rows = repo.usage_rows(conn, users=users, since=start, until=end) if users else []
+    times = [start + i * step for i in range(num_points)]
+    # user -> bucket -> [tokens, throttled, reported seconds, limit]
+    buckets: dict[str, dict[int, list[Any]]] = {u: {} for u in users}
+    for row in rows:
+        index = (row.minute - start) // step
+        bucket = buckets[row.user].setdefault(index, [0, 0, 0.0, None])
+        bucket[0] += row.tokens
+        bucket[1] += row.throttled
+        # The current minute is only partly over.
+        bucket[2] += min(MINUTE_S, max(1.0, now - row.minute))
+        bucket[3] = row.limit_rate
+    items = []
+    for name in users:
+        rates: list[float | None] = [None] * num_points
+        throttled: list[float | None] = [None] * num_points
+        limit_rates: list[int | None] = [None] * num_points
+        total_tokens = total_throttled = 0
+        for index, (tokens, steps, seconds, limit) in buckets[name].items():
+            rates[index] = round(tokens / seconds, 3)
+            throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
+            limit_rates[index] = limit
+            total_tokens += tokens
+            total_throttled += steps
+        items.append(
+            HistorySeries(
+                user=name,
+                output_tokens_per_second=rates,
+                throttled_fraction=throttled,
+                limit=limit_rates,
+                tokens=total_tokens,
+                throttled=total_throttled,
+            )
+        )
+    return UsageHistoryOut(
+        since=start,
+        until=end,
+        step=step,
+        retention_days=retention_days,
+        times=times,
+        items=items,
+    )
