@@ -71,8 +71,9 @@ _GRANTED, _THROTTLED, _LAST_ACTIVE = 0, 1, 2
 class SchedulerFigures:
     """What the metrics read from an output-rate scheduler (its ``output_rate_figures()``)."""
 
-    rate_of: Callable[[str], int | None]
-    default_rate: int | None
+    # tokens/s (a fleet share can be a fraction)
+    rate_of: Callable[[str], float | None]
+    default_rate: float | None
     is_unlimited: bool
     num_reclaims: int
     num_reclaimed_tokens: int
@@ -88,8 +89,8 @@ class SchedulerFigures:
 class UserFigures(msgspec.Struct, array_like=True, frozen=True):
     num_granted: int
     num_throttled: int
-    # The user's effective limit in tokens/s (None: unlimited).
-    rate: int | None
+    # The user's effective limit on this engine in tokens/s (None: unlimited).
+    rate: float | None
     # Seconds since the user was last granted or refused a token.
     idle_s: float
 
@@ -106,7 +107,7 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     num_other_granted: int
     num_other_throttled: int
     idle_s: float
-    default_rate: int | None
+    default_rate: float | None
     num_throttled_resident: int
     num_reclaims: int
     num_reclaimed_tokens: int
