@@ -120,7 +120,7 @@ class _Engine:
         "acked_seq",
         "cells",
         "expired",
-        "lapsed",
+        "lapsing",
         "last_heard",
         "min_num_engines",
         "needs_full",
@@ -137,9 +137,11 @@ class _Engine:
         self.acked_lease_end = -math.inf
         # The smallest fleet size the engine may be using (its largest safe share).
         self.min_num_engines: int | None = None
-        # The lease may have lapsed (as of the last step): the engine may enforce safe shares.
-        self.lapsed = True
-        # Silent for more than the lease: no messages, its shares no longer follow demand.
+        # Its lease may end within renew_s (as of the last step): a healthy engine acks each
+        # renewal long before that, so it has missed one. From then on it is accounted as on
+        # its safe share, and the other engines are lowered before its lease really ends.
+        self.lapsing = True
+        # Silent for more than the lease: it is sent nothing more.
         self.expired = False
         # Its next message must be a full update (it is new to this allocator).
         self.needs_full = True
@@ -147,6 +149,13 @@ class _Engine:
         self.unacked: list[_Sent] = []
         # user -> cell (the engine -> users index)
         self.cells: dict[str, _Cell] = {}
+
+
+def _frozen(engine: _Engine) -> bool:
+    """Its shares no longer follow demand (they stay what it may hold): it is silent, or it has
+    acked before and its lease may be ending. A new engine (nothing acked yet) is on its safe
+    shares anyway and gets its first shares with its first (full) update."""
+    return engine.expired or (engine.lapsing and engine.acked_seq > 0)
 
 
 class FleetAllocator:
@@ -219,9 +228,9 @@ class FleetAllocator:
                 raise ValueError(f"streams of user {user!r} must be >= 0, got {num_streams}")
         engine = self._engine(engine_id)
         if full:
-            for user, cell in list(engine.cells.items()):
+            for user, old in list(engine.cells.items()):
                 if user not in streams:
-                    self._set_cell_demand(engine_id, engine, user, cell, 0)
+                    self._set_cell_demand(engine_id, engine, user, old, 0)
         for user, num_streams in streams.items():
             cell = engine.cells.get(user)
             if cell is None:
@@ -377,22 +386,22 @@ class FleetAllocator:
                 self._forget_cells(engine_id, engine)
                 continue
             expired = silent_s > self._lease_s
-            lapsed = now >= engine.acked_lease_end
-            if expired != engine.expired or lapsed != engine.lapsed:
+            lapsing = now >= engine.acked_lease_end - self._renew_s
+            if expired != engine.expired or lapsing != engine.lapsing:
                 engine.expired = expired
-                engine.lapsed = lapsed
+                engine.lapsing = lapsing
                 self._dirty.update(engine.cells)
 
     def _held(self, cell: _Cell, engine: _Engine, limit: int) -> int:
         """The largest value the engine may be enforcing for the cell's user: the acknowledged
         one or any in flight; its safe share where it serves the user with no share (a 0 among
-        those) or its lease may have lapsed."""
+        those) or its lease may be ending."""
         lowest = highest = cell.acked
         for _, value in cell.pending:
             lowest = min(lowest, value)
             highest = max(highest, value)
         if (cell.demand > 0 and lowest == 0) or (
-            engine.lapsed and (cell.demand > 0 or highest > 0)
+            engine.lapsing and (cell.demand > 0 or highest > 0)
         ):
             num_engines = engine.min_num_engines or len(self._engines)
             highest = max(highest, safe_share(limit, num_engines))
@@ -409,7 +418,7 @@ class FleetAllocator:
         held: dict[str, int] = {}
         for engine_id, cell in cells.items():
             engine = self._engines[engine_id]
-            if not engine.expired:
+            if not _frozen(engine):
                 live[engine_id] = (engine, cell)
             if limit is not None:
                 held[engine_id] = self._held(cell, engine, limit)
@@ -419,7 +428,7 @@ class FleetAllocator:
                 if cell.sent:
                     changes.setdefault(engine_id, {})[user] = 0
             return
-        # An expired engine keeps what it may hold until it is gone; the others share the rest.
+        # A frozen engine keeps what it may hold; the others share the rest.
         reserved = sum(held[engine_id] for engine_id in cells if engine_id not in live)
         demand = {engine_id: cell.demand for engine_id, (_, cell) in live.items() if cell.demand}
         targets = split(limit - reserved, demand) if demand else {}
