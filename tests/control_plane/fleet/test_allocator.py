@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -76,6 +77,7 @@ class Sim:
         self.dt = dt
         self.max_delay_s = max_delay_s
         self.loss = loss
+        self.lossless = loss == 0
         self.alloc = FleetAllocator(clock=self.clock, lease_s=lease_s)
         # user -> limit in milli-tokens/s (None: engine scope), as the engines' config holds it
         self.limits: dict[str, int | None] = {}
@@ -104,7 +106,7 @@ class Sim:
         self.limits[user] = new
         self.alloc.set_limit(user, rate)
 
-    def _delay(self, queue: deque[tuple[float, ...]]) -> float:
+    def _delay(self, queue: Sequence[tuple[float, object, object]]) -> float:
         # FIFO per direction: a message never overtakes the one before it.
         at = self.clock.now + self.rng.uniform(0, self.max_delay_s)
         return max(at, queue[-1][0]) if queue else at
@@ -277,7 +279,7 @@ class Sim:
                     or user not in self.engines[engine_id].streams
                 ):
                     assert value <= accounted.get(engine_id, 0), (user, engine_id, now)
-            if self.loss:
+            if not self.lossless:
                 # A lost lowering keeps an overlap going until the gap is noticed and mended.
                 continue
             until, old = self.lowered.get(user, (0.0, 0))
@@ -336,6 +338,9 @@ def test_simulated_fleet_never_exceeds_any_users_limit(loss: float) -> None:
         sim.tick()  # every engine gets its first (full) update before any stream starts
     for _ in range(200):
         sim.tick(churn)
+    # Quiet: no churn, and no losses (a gap freezes an engine's shares for a moment, which moves
+    # the others' rounding by 1 milli until it is mended).
+    sim.loss = 0.0
     sim.settle()
 
     now = sim.clock.now
