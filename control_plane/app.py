@@ -21,6 +21,7 @@ from control_plane import __version__, routes
 from control_plane.audit import routes as audit_routes
 from control_plane.db import Database, make_engine
 from control_plane.deps import AppState
+from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
@@ -57,6 +58,7 @@ def create_app(
     insecure_no_auth: bool = False,
     db: Database | None = None,
     usage_source: UsageSource | None = None,
+    fleet: FleetView | None = None,
     collectors: Iterable[Collector] = (),
 ) -> FastAPI:
     """The API on an already migrated database (`output-rate db upgrade`): on `db` (by
@@ -83,6 +85,7 @@ def create_app(
         settings=settings,
         db=Database(make_engine(settings.database_url)) if db is None else db,
         usage_source=usage_source,
+        fleet=NoFleet() if fleet is None else fleet,
         metrics=metrics,
         insecure_no_auth=insecure_no_auth,
     )
