@@ -21,10 +21,10 @@ from control_plane import __version__, routes
 from control_plane.audit import routes as audit_routes
 from control_plane.db import Database, make_engine
 from control_plane.deps import AppState
-from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
+from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
