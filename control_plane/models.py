@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, get_args
 
 from sqlalchemy import (
     JSON,
@@ -28,6 +28,7 @@ from output_rate_core.ids import (
     MAX_TIER_NAME_LEN,
     MAX_USER_ID_LEN,
 )
+from output_rate_core.limits import Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 NAMING_CONVENTION = {
@@ -75,6 +76,16 @@ def _rate_check(column: str) -> str:
     return f"{column} IS NULL OR ({column} >= {MIN_RATE} AND {column} <= {MAX_RATE})"
 
 
+# A scope column holds one of these; null inherits (output_rate_core.limits).
+SCOPES: tuple[str, ...] = get_args(Scope)
+SCOPE_LEN = max(len(scope) for scope in SCOPES)
+
+
+def _scope_check(column: str) -> str:
+    values = ", ".join(f"'{scope}'" for scope in SCOPES)
+    return f"{column} IS NULL OR {column} IN ({values})"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: UTCDateTime()}
@@ -94,11 +105,13 @@ class ConfigState(Base):
     __table_args__ = (
         CheckConstraint("id = 1", name="single_row"),
         CheckConstraint(_rate_check("default_rate"), name="default_rate_range"),
+        CheckConstraint(_scope_check("default_scope"), name="default_scope_valid"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     version: Mapped[int] = mapped_column(Integer, default=0)
     default_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    default_scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     # Maintained by every user write, so listing 1M users needs no COUNT(*) scan.
     num_users: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -106,10 +119,14 @@ class ConfigState(Base):
 
 class Tier(Base):
     __tablename__ = "tiers"
-    __table_args__ = (CheckConstraint(_rate_check("rate"), name="rate_range"),)
+    __table_args__ = (
+        CheckConstraint(_rate_check("rate"), name="rate_range"),
+        CheckConstraint(_scope_check("scope"), name="scope_valid"),
+    )
 
     name: Mapped[str] = mapped_column(_bytewise(MAX_TIER_NAME_LEN), primary_key=True)
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     description: Mapped[str] = mapped_column(Text, default="")
     version: Mapped[int] = mapped_column(Integer)
     # Users assigned to the tier; maintained with every user write (see num_users above).
@@ -118,11 +135,12 @@ class Tier(Base):
 
 
 class UserLimit(Base):
-    """A configured user: its tier and/or its own override rate."""
+    """A configured user: its tier and/or its own override rate and scope."""
 
     __tablename__ = "user_limits"
     __table_args__ = (
         CheckConstraint(_rate_check("rate"), name="rate_range"),
+        CheckConstraint(_scope_check("scope"), name="scope_valid"),
         # Filter by tier, ordered by user: one index range for GET /limits?tier=.
         Index("ix_user_limits_tier_user", "tier", "user"),
     )
@@ -132,6 +150,7 @@ class UserLimit(Base):
         _bytewise(MAX_TIER_NAME_LEN), ForeignKey("tiers.name"), nullable=True
     )
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     version: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
