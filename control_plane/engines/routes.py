@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 
 from control_plane.auth import ReaderDep, WriterDep
-from control_plane.deps import DatabaseDep, SettingsDep
+from control_plane.deps import DatabaseDep, FleetDep, SettingsDep
 from control_plane.engines import service
 from control_plane.engines.schemas import EngineList
 from control_plane.schemas import ERRORS, NOT_FOUND
@@ -21,11 +21,14 @@ EnginePath = Annotated[
 
 
 @router.get("/engines", response_model=EngineList)
-async def list_engines(db: DatabaseDep, settings: SettingsDep, _: ReaderDep) -> EngineList:
+async def list_engines(
+    db: DatabaseDep, settings: SettingsDep, fleet: FleetDep, _: ReaderDep
+) -> EngineList:
     return await db.run(
         service.list_engines,
         timeout_s=settings.engine_timeout_s,
         retention_s=settings.engine_retention_s,
+        fleet=fleet,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class EngineOut(BaseModel):
@@ -14,6 +14,7 @@ class EngineOut(BaseModel):
     connected: bool
     last_seen: datetime
     first_seen: datetime
+    num_shared_users: int = Field(description="Fleet-scoped users it holds a share for")
 
 
 class EngineList(BaseModel):

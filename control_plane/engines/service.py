@@ -12,7 +12,11 @@ from control_plane.db import service
 from control_plane.engines import repository as repo
 from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
+from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import service as limits
+
+# What /metrics lists engines with: it shows no shares.
+NO_FLEET = NoFleet()
 
 
 @dataclass(frozen=True)
@@ -27,9 +31,14 @@ class EngineSeen:
 
 @service("read")
 def list_engines(
-    conn: Connection, *, timeout_s: float, retention_s: float = float("inf")
+    conn: Connection,
+    *,
+    timeout_s: float,
+    retention_s: float = float("inf"),
+    fleet: FleetView = NO_FLEET,
 ) -> EngineList:
-    """Engines seen within `retention_s` (older rows are deleted by the push server)."""
+    """Engines seen within `retention_s` (older rows are deleted by the push server), with
+    the shares `fleet` has them hold."""
     now = datetime.now(UTC)
     items = [
         EngineOut(
@@ -39,6 +48,7 @@ def list_engines(
             connected=e.connected and (now - e.last_seen).total_seconds() <= timeout_s,
             last_seen=e.last_seen,
             first_seen=e.first_seen,
+            num_shared_users=fleet.num_shared_users(e.engine_id),
         )
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, select, upda
 
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
+from output_rate_core.limits import Scope
 
 CONFIG_ROW_ID = 1
 
@@ -29,15 +30,25 @@ config_changes = table(ConfigChange)
 class State(NamedTuple):
     version: int
     default_rate: int | None
+    default_scope: Scope | None
     num_users: int
 
 
 class UserRecord(NamedTuple):
-    """A configured user's row: its tier, its override rate, the version of its last change."""
+    """A configured user's row: its tier, its override rate and scope (None: inherit),
+    the version of its last change."""
 
     tier: str | None
     rate: int | None
+    scope: Scope | None
     version: int
+
+
+class TierLimit(NamedTuple):
+    """What a tier gives its users: its rate (None: unlimited), its scope (None: inherit)."""
+
+    rate: int | None
+    scope: Scope | None
 
 
 def _state(row: Any) -> State:
@@ -47,7 +58,12 @@ def _state(row: Any) -> State:
 
 # ---- config state ------------------------------------------------------------
 
-_STATE_COLUMNS = (config_state.c.version, config_state.c.default_rate, config_state.c.num_users)
+_STATE_COLUMNS = (
+    config_state.c.version,
+    config_state.c.default_rate,
+    config_state.c.default_scope,
+    config_state.c.num_users,
+)
 _GET_STATE = select(*_STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
 # The no-op UPDATE is the first statement of every write transaction: on PostgreSQL it
 # takes the config row's lock, so concurrent writers queue before they read anything
@@ -83,9 +99,11 @@ def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
     )
 
 
-def set_default_rate(conn: Connection, rate: int | None) -> None:
+def set_default(conn: Connection, rate: int | None, scope: Scope | None) -> None:
     conn.execute(
-        update(config_state).where(config_state.c.id == CONFIG_ROW_ID).values(default_rate=rate)
+        update(config_state)
+        .where(config_state.c.id == CONFIG_ROW_ID)
+        .values(default_rate=rate, default_scope=scope)
     )
 
 
@@ -93,24 +111,23 @@ def set_default_rate(conn: Connection, rate: int | None) -> None:
 
 
 class LimitRow(NamedTuple):
-    """What a LimitView needs: the config state, the user's row (or Nones), its tier's rate."""
+    """What a LimitView needs: the config state, the user's row (None: not configured),
+    its tier's limit (None: no tier)."""
 
-    version: int
-    default_rate: int | None
-    tier: str | None
-    rate: int | None
-    user_version: int | None
-    tier_rate: int | None
+    state: State
+    record: UserRecord | None
+    tier: TierLimit | None
 
 
 _GET_LIMIT = (
     select(
-        config_state.c.version,
-        config_state.c.default_rate,
+        *_STATE_COLUMNS,
         user_limits.c.tier,
         user_limits.c.rate,
+        user_limits.c.scope,
         user_limits.c.version,
         tiers.c.rate,
+        tiers.c.scope,
     )
     .select_from(
         config_state.outerjoin(user_limits, user_limits.c.user == bindparam("user")).outerjoin(
@@ -124,7 +141,10 @@ _GET_LIMIT = (
 def get_limit_row(conn: Connection, user: str) -> LimitRow:
     row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
     assert row is not None, "config_state row is created by the initial migration"
-    return LimitRow(*row)
+    state = _state(row[:4])
+    tier, rate, scope, version, tier_rate, tier_scope = row[4:]
+    record = None if version is None else UserRecord(tier, rate, scope, version)
+    return LimitRow(state, record, None if tier is None else TierLimit(tier_rate, tier_scope))
 
 
 # ---- tiers -------------------------------------------------------------------
@@ -133,6 +153,7 @@ def get_limit_row(conn: Connection, user: str) -> LimitRow:
 class TierRow(NamedTuple):
     name: str
     rate: int | None
+    scope: Scope | None
     description: str
     version: int
     num_users: int
@@ -141,6 +162,7 @@ class TierRow(NamedTuple):
 _TIER_COLUMNS = (
     tiers.c.name,
     tiers.c.rate,
+    tiers.c.scope,
     tiers.c.description,
     tiers.c.version,
     tiers.c.num_users,
@@ -162,17 +184,25 @@ def list_tiers(conn: Connection) -> list[TierRow]:
     return [TierRow(*r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
 
 
-def tier_rates(conn: Connection) -> dict[str, int | None]:
-    return {name: rate for name, rate in conn.execute(select(tiers.c.name, tiers.c.rate))}
+def tier_limits(conn: Connection) -> dict[str, TierLimit]:
+    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope))
+    return {name: TierLimit(rate, scope) for name, rate, scope in rows}
 
 
 def insert_tier(
-    conn: Connection, *, name: str, rate: int | None, description: str, version: int
+    conn: Connection,
+    *,
+    name: str,
+    rate: int | None,
+    scope: Scope | None,
+    description: str,
+    version: int,
 ) -> None:
     conn.execute(
         insert(tiers).values(
             name=name,
             rate=rate,
+            scope=scope,
             description=description,
             version=version,
             num_users=0,
@@ -182,12 +212,24 @@ def insert_tier(
 
 
 def update_tier(
-    conn: Connection, *, name: str, rate: int | None, description: str, version: int
+    conn: Connection,
+    *,
+    name: str,
+    rate: int | None,
+    scope: Scope | None,
+    description: str,
+    version: int,
 ) -> None:
     conn.execute(
         update(tiers)
         .where(tiers.c.name == name)
-        .values(rate=rate, description=description, version=version, updated_at=datetime.now(UTC))
+        .values(
+            rate=rate,
+            scope=scope,
+            description=description,
+            version=version,
+            updated_at=datetime.now(UTC),
+        )
     )
 
 
@@ -208,9 +250,13 @@ def tier_has_users(conn: Connection, name: str) -> bool:
 
 # ---- users -------------------------------------------------------------------
 
-_GET_USER = select(user_limits.c.tier, user_limits.c.rate, user_limits.c.version).where(
-    user_limits.c.user == bindparam("user")
+_RECORD_COLUMNS = (
+    user_limits.c.tier,
+    user_limits.c.rate,
+    user_limits.c.scope,
+    user_limits.c.version,
 )
+_GET_USER = select(*_RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
 _INSERT_USER = insert(user_limits)
 _UPDATE_USER = (
     update(user_limits)
@@ -218,6 +264,7 @@ _UPDATE_USER = (
     .values(
         tier=bindparam("tier"),
         rate=bindparam("rate"),
+        scope=bindparam("scope"),
         version=bindparam("version"),
         updated_at=bindparam("updated_at"),
     )
@@ -234,13 +281,11 @@ def get_user(conn: Connection, user: str) -> UserRecord | None:
 
 def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
     found: dict[str, UserRecord] = {}
-    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
     for start in range(0, len(users), _IN_CHUNK):
         chunk = users[start : start + _IN_CHUNK]
-        for user, tier, rate, version in conn.execute(
-            select(*columns).where(user_limits.c.user.in_(chunk))
-        ):
-            found[user] = UserRecord(tier, rate, version)
+        query = select(user_limits.c.user, *_RECORD_COLUMNS).where(user_limits.c.user.in_(chunk))
+        for user, *record in conn.execute(query):
+            found[user] = UserRecord(*record)
     return found
 
 
@@ -258,7 +303,14 @@ def _write_users(
     """One executemany; `user_key` is the statement's parameter for the user id."""
     now = datetime.now(UTC)
     params = [
-        {user_key: user, "tier": r.tier, "rate": r.rate, "version": r.version, "updated_at": now}
+        {
+            user_key: user,
+            "tier": r.tier,
+            "rate": r.rate,
+            "scope": r.scope,
+            "version": r.version,
+            "updated_at": now,
+        }
         for user, r in records
     ]
     if params:
@@ -269,9 +321,24 @@ def delete_user(conn: Connection, user: str) -> None:
     conn.execute(_DELETE_USER, {"user": user})
 
 
-def all_user_records(conn: Connection) -> dict[str, tuple[str | None, int | None]]:
-    rows = conn.execute(select(user_limits.c.user, user_limits.c.tier, user_limits.c.rate))
-    return {user: (tier, rate) for user, tier, rate in rows}
+class AllUsers(NamedTuple):
+    """Every configured user, as a snapshot carries them."""
+
+    # user -> (tier, override rate)
+    records: dict[str, tuple[str | None, int | None]]
+    # user -> its own scope (users that inherit are left out)
+    scopes: dict[str, Scope]
+
+
+def all_users(conn: Connection) -> AllUsers:
+    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.scope)
+    records: dict[str, tuple[str | None, int | None]] = {}
+    scopes: dict[str, Scope] = {}
+    for user, tier, rate, scope in conn.execute(select(*columns)):
+        records[user] = (tier, rate)
+        if scope is not None:
+            scopes[user] = scope
+    return AllUsers(records, scopes)
 
 
 def prefix_upper_bound(prefix: str) -> str | None:
@@ -326,8 +393,9 @@ def list_users(
     contains: str | None = None,
     sort: str = "user",
 ) -> list[tuple[str, UserRecord]]:
-    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.version)
-    query = _filter(select(*columns), tier=tier, prefix=prefix, contains=contains)
+    query = _filter(
+        select(user_limits.c.user, *_RECORD_COLUMNS), tier=tier, prefix=prefix, contains=contains
+    )
     if after is not None:
         # Keyset paging: a seek into the index, as fast at user 900,000 as at the first.
         query = query.where(user_limits.c.user > after)
@@ -336,7 +404,7 @@ def list_users(
     key = column.desc().nulls_last() if descending else column.asc().nulls_last()
     order = (key,) if column is user_limits.c.user else (key, user_limits.c.user)
     rows = conn.execute(query.order_by(*order).offset(offset).limit(limit))
-    return [(user, UserRecord(tier_, rate, version)) for user, tier_, rate, version in rows]
+    return [(user, UserRecord(*record)) for user, *record in rows]
 
 
 def count_users(

@@ -7,13 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query, Response, status
 
 from control_plane.auth import ReaderDep, WriterDep
-from control_plane.deps import DatabaseDep
+from control_plane.deps import DatabaseDep, FleetDep, UsageSourceDep
 from control_plane.limits import service
 from control_plane.limits.schemas import (
     BulkIn,
     BulkOut,
     DefaultIn,
     DefaultOut,
+    LimitDetail,
     LimitIn,
     LimitOut,
     LimitPage,
@@ -76,14 +77,18 @@ async def list_limits(
 
 @router.post("/limits:bulk", response_model=BulkOut)
 async def bulk_put_limits(body: BulkIn, db: DatabaseDep, principal: WriterDep) -> BulkOut:
-    items = [(i.user, i.output_tokens_per_second, i.tier) for i in body.items]
+    items = [
+        service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope) for i in body.items
+    ]
     change = await db.run(service.bulk_put_limits, actor=principal.name, items=items)
     return change.result
 
 
-@router.get("/limits/{user}", response_model=LimitOut)
-async def get_limit(user: UserPath, db: DatabaseDep, _: ReaderDep) -> LimitOut:
-    return await db.run(service.get_limit, user=user)
+@router.get("/limits/{user}", response_model=LimitDetail)
+async def get_limit(
+    user: UserPath, db: DatabaseDep, fleet: FleetDep, usage: UsageSourceDep, _: ReaderDep
+) -> LimitDetail:
+    return await db.run(service.get_limit_detail, user=user, fleet=fleet, usage=usage)
 
 
 @router.put("/limits/{user}", response_model=LimitOut)
@@ -96,6 +101,7 @@ async def put_limit(
         user=user,
         rate=body.output_tokens_per_second,
         tier=body.tier,
+        scope=body.scope,
     )
     return change.result
 
@@ -138,6 +144,7 @@ async def put_tier(name: TierPath, body: TierIn, db: DatabaseDep, principal: Wri
         name=name,
         rate=body.output_tokens_per_second,
         description=body.description,
+        scope=body.scope,
     )
     return change.result
 
@@ -173,6 +180,9 @@ async def get_default(db: DatabaseDep, _: ReaderDep) -> DefaultOut:
 @router.put("/default-limit", response_model=DefaultOut)
 async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) -> DefaultOut:
     change = await db.run(
-        service.put_default, actor=principal.name, rate=body.output_tokens_per_second
+        service.put_default,
+        actor=principal.name,
+        rate=body.output_tokens_per_second,
+        scope=body.scope,
     )
     return change.result

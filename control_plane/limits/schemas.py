@@ -1,5 +1,5 @@
 """Limit, tier and default-limit bodies. Strict: a rate is a JSON integer 1..1,000,000
-or null."""
+or null; a scope is "fleet", "engine" or null (inherit)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from control_plane.schemas import Body
 from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
-from output_rate_core.limits import Source
+from output_rate_core.limits import Scope, Source
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # POST /limits:bulk: items per request.
@@ -23,11 +23,19 @@ UserId = Annotated[
     str, Field(strict=True, min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)
 ]
 Description = Annotated[str, Field(strict=True, max_length=1000, pattern=TEXT_PATTERN)]
+OwnScope = Annotated[
+    Scope | None,
+    Field(
+        description='"fleet": the limit is summed over every engine; "engine": each engine '
+        "enforces it in full; null: inherit (the tier's, else the default's)"
+    ),
+]
 
 
 class LimitIn(Body):
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
+    scope: OwnScope = None
 
 
 class BulkItem(LimitIn):
@@ -41,26 +49,36 @@ class BulkIn(Body):
 class TierIn(Body):
     output_tokens_per_second: Rate | None = None
     description: Description | None = None
+    scope: OwnScope = None
 
 
 class LimitPatch(Body):
     """JSON merge patch (RFC 7396) of a user's record: only the fields sent change;
-    null clears the field (no override = the tier's or default rate; no tier)."""
+    null clears the field (no override = the tier's or default rate; no tier; inherit the
+    scope)."""
 
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
+    scope: OwnScope = None
 
 
 class TierPatch(Body):
     """JSON merge patch of a tier: only the fields sent change; a rate of null is
-    unlimited, a description of null is empty."""
+    unlimited, a description of null is empty, a scope of null inherits the default's."""
 
     output_tokens_per_second: Rate | None = None
     description: Description | None = None
+    scope: OwnScope = None
 
 
 class DefaultIn(Body):
     output_tokens_per_second: Rate | None = None
+    scope: Annotated[Scope | None, Field(description='null: "fleet"')] = None
+
+
+class ShareOut(BaseModel):
+    engine_id: str
+    output_tokens_per_second: float = Field(description="The share this engine may enforce")
 
 
 class LimitOut(BaseModel):
@@ -69,7 +87,23 @@ class LimitOut(BaseModel):
     output_tokens_per_second: int | None = Field(description="The user's override, or null")
     effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
     source: Source
+    scope: Scope | None = Field(description="The user's own scope, or null (inherited)")
+    effective_scope: Scope
+    shares: list[ShareOut] = Field(
+        default=[],
+        description="A fleet-scoped limit's shares per engine, by engine id; filled by "
+        "GET /limits/{user} only ([] in lists and in write responses)",
+    )
     version: int
+
+
+class LimitDetail(LimitOut):
+    """GET /limits/{user}: the view with what engines report right now."""
+
+    received_output_tokens_per_second: float | None = Field(
+        description="The user's output tokens/s over the last second, summed over engines "
+        "(null: no engine reported the user recently)"
+    )
 
 
 class LimitPage(BaseModel):
@@ -85,6 +119,7 @@ class BulkOut(BaseModel):
 class TierOut(BaseModel):
     name: str
     output_tokens_per_second: int | None
+    scope: Scope | None = Field(description="The tier's own scope, or null (the default's)")
     description: str
     num_users: int
     version: int
@@ -96,4 +131,5 @@ class TierList(BaseModel):
 
 class DefaultOut(BaseModel):
     output_tokens_per_second: int | None
+    scope: Scope | None = Field(description='null: "fleet"')
     version: int

@@ -18,19 +18,33 @@ from sqlalchemy import Connection
 from control_plane.audit import service as audit
 from control_plane.db import ConfigChange, service
 from control_plane.errors import Conflict, InvalidInput, NotFound
+from control_plane.fleet.view import FleetView
 from control_plane.limits import repository as repo
-from control_plane.limits.repository import State, UserRecord
+from control_plane.limits.repository import State, TierLimit, UserRecord
 from control_plane.limits.schemas import (
     MAX_BULK_ITEMS,
     BulkOut,
     DefaultOut,
+    LimitDetail,
     LimitOut,
     LimitPage,
+    ShareOut,
     TierList,
     TierOut,
 )
+from control_plane.usage.book import UsageSource
 from output_rate_core import protocol as p
-from output_rate_core.limits import effective_rate
+from output_rate_core.limits import FLEET, Scope, effective_rate, effective_scope
+
+
+@dataclass(frozen=True)
+class UserItem:
+    """One user's record as a write gives it (None: unset, inherit)."""
+
+    user: str
+    rate: int | None
+    tier: str | None
+    scope: Scope | None = None
 
 
 @dataclass(frozen=True)
@@ -48,33 +62,42 @@ class UserCounts:
 
 
 def limit_view(
-    *,
-    user: str,
-    record: UserRecord | None,
-    tier_rate: int | None,
-    state_version: int,
-    default_rate: int | None,
+    *, user: str, record: UserRecord | None, tier: TierLimit | None, state: State
 ) -> LimitOut:
-    """`tier_rate` is the rate of the record's tier (ignored without one)."""
-    tier = record.tier if record else None
+    """`tier` is the limit of the record's tier (ignored without one)."""
+    tier_name = record.tier if record else None
     override = record.rate if record else None
-    effective, source = effective_rate(override, tier, tier_rate, default_rate)
+    own_scope = record.scope if record else None
+    tier_rate, tier_scope = tier if tier is not None else (None, None)
+    effective, source = effective_rate(override, tier_name, tier_rate, state.default_rate)
     return LimitOut(
         user=user,
-        tier=tier,
+        tier=tier_name,
         output_tokens_per_second=override,
         effective_output_tokens_per_second=effective,
         source=source,
+        scope=own_scope,
+        effective_scope=effective_scope(own_scope, tier_name, tier_scope, state.default_scope),
         # The version of the user's last change (the current one for users
         # nobody configured): once engines applied it, this view is enforced.
-        version=record.version if record else state_version,
+        version=record.version if record else state.version,
     )
+
+
+def shares_view(view: LimitOut, fleet: FleetView) -> list[ShareOut]:
+    """The shares engines hold of a fleet-scoped limit, by engine id (none otherwise:
+    an engine-scoped or unlimited user is not split)."""
+    if view.effective_scope != FLEET or view.effective_output_tokens_per_second is None:
+        return []
+    shares = sorted(fleet.shares_of(view.user).items())
+    return [ShareOut(engine_id=e, output_tokens_per_second=m / p.MILLI) for e, m in shares]
 
 
 def tier_view(tier: repo.TierRow) -> TierOut:
     return TierOut(
         name=tier.name,
         output_tokens_per_second=tier.rate,
+        scope=tier.scope,
         description=tier.description,
         num_users=tier.num_users,
         version=tier.version,
@@ -83,9 +106,24 @@ def tier_view(tier: repo.TierRow) -> TierOut:
 
 def _user_record(record: UserRecord | None) -> dict[str, Any] | None:
     """A user's record as the audit log and the merge patch see it."""
-    return (
-        None if record is None else {"tier": record.tier, "output_tokens_per_second": record.rate}
-    )
+    if record is None:
+        return None
+    return {"tier": record.tier, "output_tokens_per_second": record.rate, "scope": record.scope}
+
+
+def _item_record(item: UserItem) -> dict[str, Any]:
+    return {"tier": item.tier, "output_tokens_per_second": item.rate, "scope": item.scope}
+
+
+def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
+    """A tier as the audit log sees it."""
+    if tier is None:
+        return None
+    return {
+        "output_tokens_per_second": tier.rate,
+        "scope": tier.scope,
+        "description": tier.description,
+    }
 
 
 # ---- reads -----------------------------------------------------------------
@@ -94,13 +132,20 @@ def _user_record(record: UserRecord | None) -> dict[str, Any] | None:
 @service("read")
 def get_limit(conn: Connection, *, user: str) -> LimitOut:
     row = repo.get_limit_row(conn, user)
-    record = None if row.user_version is None else UserRecord(row.tier, row.rate, row.user_version)
-    return limit_view(
-        user=user,
-        record=record,
-        tier_rate=row.tier_rate,
-        state_version=row.version,
-        default_rate=row.default_rate,
+    return limit_view(user=user, record=row.record, tier=row.tier, state=row.state)
+
+
+@service("read")
+def get_limit_detail(
+    conn: Connection, *, user: str, fleet: FleetView, usage: UsageSource
+) -> LimitDetail:
+    """The user's view with the shares engines hold and the rate they report now."""
+    view = get_limit(conn, user=user)
+    received = next((u.tokens_per_s_1s for u in usage.totals() if u.user == user), None)
+    return LimitDetail(
+        **view.model_dump(exclude={"shares"}),
+        shares=shares_view(view, fleet),
+        received_output_tokens_per_second=received,
     )
 
 
@@ -141,14 +186,13 @@ def list_limits(
         total = tier_row.num_users if tier_row else 0
     else:
         total = state.num_users
-    rates = repo.tier_rates(conn)
+    tier_limits = repo.tier_limits(conn)
     items = [
         limit_view(
             user=user,
             record=record,
-            tier_rate=rates.get(record.tier) if record.tier else None,
-            state_version=state.version,
-            default_rate=state.default_rate,
+            tier=tier_limits.get(record.tier) if record.tier else None,
+            state=state,
         )
         for user, record in rows
     ]
@@ -158,7 +202,7 @@ def list_limits(
 def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
     """Each user's effective rate (None: unlimited)."""
     state = repo.get_config(conn)
-    rates = repo.tier_rates(conn)
+    tier_limits = repo.tier_limits(conn)
     records = repo.get_users(conn, users)
     result: dict[str, int | None] = {}
     for user in users:
@@ -166,7 +210,8 @@ def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | N
         if record is None:
             result[user] = state.default_rate
         else:
-            tier_rate = rates.get(record.tier) if record.tier else None
+            tier = tier_limits.get(record.tier) if record.tier else None
+            tier_rate = tier.rate if tier else None
             result[user] = effective_rate(record.rate, record.tier, tier_rate, state.default_rate)[
                 0
             ]
@@ -203,8 +248,15 @@ def get_tier(conn: Connection, *, name: str) -> TierOut:
 
 @service("read")
 def get_default(conn: Connection) -> DefaultOut:
-    state = repo.get_config(conn)
-    return DefaultOut(output_tokens_per_second=state.default_rate, version=state.version)
+    return _default_view(repo.get_config(conn))
+
+
+def _default_view(state: State) -> DefaultOut:
+    return DefaultOut(
+        output_tokens_per_second=state.default_rate,
+        scope=state.default_scope,
+        version=state.version,
+    )
 
 
 @service("read")
@@ -223,11 +275,16 @@ def load_snapshot(conn: Connection) -> p.Snapshot:
     if not conn.in_transaction() and conn.dialect.name == "postgresql":
         conn.execution_options(isolation_level="REPEATABLE READ")
     state = repo.get_config(conn)
+    tier_limits = repo.tier_limits(conn)
+    users = repo.all_users(conn)
     return p.Snapshot(
         version=state.version,
         default_rate=state.default_rate,
-        tiers=repo.tier_rates(conn),
-        users=repo.all_user_records(conn),
+        tiers={name: tier.rate for name, tier in tier_limits.items()},
+        users=users.records,
+        default_scope=state.default_scope,
+        tier_scopes={name: t.scope for name, t in tier_limits.items() if t.scope is not None},
+        user_scopes=users.scopes,
     )
 
 
@@ -267,14 +324,14 @@ def _record(
     return version
 
 
-def _tier_rate(conn: Connection, tier: str | None, *, field: str = "tier") -> int | None:
-    """The rate of `tier` (None for no tier); an unknown tier is bad input."""
+def _tier_limit(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
+    """The limit of `tier` (None for no tier); an unknown tier is bad input."""
     if tier is None:
         return None
     row = repo.get_tier(conn, tier)
     if row is None:
         raise InvalidInput(f"{field}: unknown tier {tier!r}", field=field)
-    return row.rate
+    return TierLimit(row.rate, row.scope)
 
 
 def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dict[str, int]:
@@ -290,21 +347,25 @@ def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dic
 
 @service("write")
 def put_limit(
-    conn: Connection, *, actor: str, user: str, rate: int | None, tier: str | None
+    conn: Connection,
+    *,
+    actor: str,
+    user: str,
+    rate: int | None,
+    tier: str | None,
+    scope: Scope | None = None,
 ) -> ConfigChange[LimitOut]:
     state = repo.lock_config(conn)
-    tier_rate = _tier_rate(conn, tier)
+    tier_limit = _tier_limit(conn, tier)
     record = repo.get_user(conn, user)
     return _set_user(
         conn,
         state,
         actor=actor,
         action="put_limit",
-        user=user,
+        item=UserItem(user, rate, tier, scope),
         record=record,
-        rate=rate,
-        tier=tier,
-        tier_rate=tier_rate,
+        tier_limit=tier_limit,
     )
 
 
@@ -313,33 +374,24 @@ def patch_limit(
     conn: Connection, *, actor: str, user: str, changes: dict[str, Any]
 ) -> ConfigChange[LimitOut]:
     """JSON merge patch of a user's record: only the keys in `changes`
-    ("output_tokens_per_second", "tier") change; the others keep their value.
+    ("output_tokens_per_second", "tier", "scope") change; the others keep their value.
     A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
     state = repo.lock_config(conn)
     record = repo.get_user(conn, user)
-    current = _user_record(record) or {"tier": None, "output_tokens_per_second": None}
+    current = _user_record(record) or _item_record(UserItem(user, None, None))
     merged = {**current, **changes}
-    tier = merged["tier"]
-    tier_rate = _tier_rate(conn, tier)
+    item = UserItem(user, merged["output_tokens_per_second"], merged["tier"], merged["scope"])
+    tier_limit = _tier_limit(conn, item.tier)
     if record is None and merged == current:
-        view = limit_view(
-            user=user,
-            record=None,
-            tier_rate=None,
-            state_version=state.version,
-            default_rate=state.default_rate,
-        )
-        return ConfigChange(view, None)
+        return ConfigChange(limit_view(user=user, record=None, tier=None, state=state), None)
     return _set_user(
         conn,
         state,
         actor=actor,
         action="patch_limit",
-        user=user,
+        item=item,
         record=record,
-        rate=merged["output_tokens_per_second"],
-        tier=tier,
-        tier_rate=tier_rate,
+        tier_limit=tier_limit,
     )
 
 
@@ -349,15 +401,14 @@ def _set_user(
     *,
     actor: str,
     action: str,
-    user: str,
+    item: UserItem,
     record: UserRecord | None,
-    rate: int | None,
-    tier: str | None,
-    tier_rate: int | None,
+    tier_limit: TierLimit | None,
 ) -> ConfigChange[LimitOut]:
     """Write the user's new record (if it differs) as one version; return its view."""
+    user = item.user
     before = _user_record(record)
-    after = {"tier": tier, "output_tokens_per_second": rate}
+    after = _item_record(item)
     version = None
     if before != after:
         version = _record(
@@ -368,24 +419,21 @@ def _set_user(
             target=user,
             before=before,
             after=after,
-            ops=[p.SetUser(user=user, tier=tier, rate=rate)],
+            ops=[_set_user_op(item)],
             new_users=0 if record else 1,
         )
-        new_record = UserRecord(tier, rate, version)
+        new_record = UserRecord(item.tier, item.rate, item.scope, version)
         if record is None:
             repo.insert_users(conn, [(user, new_record)])
         else:
             repo.update_users(conn, [(user, new_record)])
-        repo.add_tier_users(conn, _tier_deltas([(record, tier)]))
+        repo.add_tier_users(conn, _tier_deltas([(record, item.tier)]))
         record, state = new_record, state._replace(version=version)
-    view = limit_view(
-        user=user,
-        record=record,
-        tier_rate=tier_rate,
-        state_version=state.version,
-        default_rate=state.default_rate,
-    )
-    return ConfigChange(view, version)
+    return ConfigChange(limit_view(user=user, record=record, tier=tier_limit, state=state), version)
+
+
+def _set_user_op(item: UserItem) -> p.SetUser:
+    return p.SetUser(user=item.user, tier=item.tier, rate=item.rate, scope=item.scope)
 
 
 @service("write")
@@ -412,12 +460,12 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[Non
 
 @service("write_batch")
 def bulk_put_limits(
-    conn: Connection, *, actor: str, items: Sequence[tuple[str, int | None, str | None]]
+    conn: Connection, *, actor: str, items: Sequence[UserItem]
 ) -> ConfigChange[BulkOut]:
-    """Apply up to MAX_BULK_ITEMS (user, rate, tier) records as one version."""
+    """Apply up to MAX_BULK_ITEMS user records as one version."""
     if len(items) > MAX_BULK_ITEMS:
         raise InvalidInput(f"items: at most {MAX_BULK_ITEMS} per request", field="items")
-    users = [user for user, _, _ in items]
+    users = [item.user for item in items]
     first_index: dict[str, int] = {}
     for index, user in enumerate(users):
         if user in first_index:
@@ -427,21 +475,17 @@ def bulk_put_limits(
             )
         first_index[user] = index
     state = repo.lock_config(conn)
-    known_tiers = repo.tier_rates(conn)
-    for index, (_, _, tier) in enumerate(items):
-        if tier is not None and tier not in known_tiers:
+    known_tiers = repo.tier_limits(conn)
+    for index, item in enumerate(items):
+        if item.tier is not None and item.tier not in known_tiers:
             raise InvalidInput(
-                f"items.{index}.tier: unknown tier {tier!r}", field=f"items.{index}.tier"
+                f"items.{index}.tier: unknown tier {item.tier!r}", field=f"items.{index}.tier"
             )
     existing = repo.get_users(conn, users)
-    changed = [
-        (user, rate, tier)
-        for user, rate, tier in items
-        if _user_record(existing.get(user)) != {"tier": tier, "output_tokens_per_second": rate}
-    ]
+    changed = [i for i in items if _user_record(existing.get(i.user)) != _item_record(i)]
     if not changed:
         return ConfigChange(BulkOut(version=state.version, num_changed=0), None)
-    num_new = sum(1 for user, _, _ in changed if user not in existing)
+    num_new = sum(1 for i in changed if i.user not in existing)
     version = _record(
         conn,
         state,
@@ -449,27 +493,30 @@ def bulk_put_limits(
         action="bulk_put_limits",
         target=f"{len(changed)} users",
         # One entry for one version, with every changed user's record before and after.
-        before={u: _user_record(existing.get(u)) for u, _, _ in changed},
-        after={u: {"tier": t, "output_tokens_per_second": r} for u, r, t in changed},
-        ops=[p.SetUser(user=u, tier=t, rate=r) for u, r, t in changed],
+        before={i.user: _user_record(existing.get(i.user)) for i in changed},
+        after={i.user: _item_record(i) for i in changed},
+        ops=[_set_user_op(i) for i in changed],
         new_users=num_new,
     )
-    repo.insert_users(
-        conn,
-        [(u, UserRecord(t, r, version)) for u, r, t in changed if u not in existing],
-    )
-    repo.update_users(
-        conn,
-        [(u, UserRecord(t, r, version)) for u, r, t in changed if u in existing],
-    )
-    repo.add_tier_users(conn, _tier_deltas((existing.get(u), t) for u, _, t in changed))
+    records = [(i.user, UserRecord(i.tier, i.rate, i.scope, version)) for i in changed]
+    repo.insert_users(conn, [(u, r) for u, r in records if u not in existing])
+    repo.update_users(conn, [(u, r) for u, r in records if u in existing])
+    repo.add_tier_users(conn, _tier_deltas((existing.get(i.user), i.tier) for i in changed))
     return ConfigChange(BulkOut(version=version, num_changed=len(changed)), version)
 
 
 @service("write")
 def put_tier(
-    conn: Connection, *, actor: str, name: str, rate: int | None, description: str | None
+    conn: Connection,
+    *,
+    actor: str,
+    name: str,
+    rate: int | None,
+    description: str | None,
+    scope: Scope | None = None,
 ) -> ConfigChange[TierOut]:
+    """Set a tier's rate and scope (None: inherit the default's); a description of None
+    keeps the one it had."""
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     new_description = description if description is not None else (tier.description if tier else "")
@@ -480,7 +527,7 @@ def put_tier(
         action="put_tier",
         name=name,
         tier=tier,
-        rate=rate,
+        limit=TierLimit(rate, scope),
         description=new_description,
     )
 
@@ -490,13 +537,15 @@ def patch_tier(
     conn: Connection, *, actor: str, name: str, changes: dict[str, Any]
 ) -> ConfigChange[TierOut]:
     """JSON merge patch of an existing tier: only the keys in `changes`
-    ("output_tokens_per_second", "description") change. A description of null is empty.
-    An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
+    ("output_tokens_per_second", "scope", "description") change. A description of null is
+    empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
-    rate = changes.get("output_tokens_per_second", tier.rate)
+    limit = TierLimit(
+        changes.get("output_tokens_per_second", tier.rate), changes.get("scope", tier.scope)
+    )
     description = changes.get("description", tier.description)
     return _set_tier(
         conn,
@@ -505,7 +554,7 @@ def patch_tier(
         action="patch_tier",
         name=name,
         tier=tier,
-        rate=rate,
+        limit=limit,
         description=description if description is not None else "",
     )
 
@@ -518,17 +567,16 @@ def _set_tier(
     action: str,
     name: str,
     tier: repo.TierRow | None,
-    rate: int | None,
+    limit: TierLimit,
     description: str,
 ) -> ConfigChange[TierOut]:
-    """Write the tier's new rate and description (if they differ) as one version."""
-    before = (
-        None
-        if tier is None
-        else {"output_tokens_per_second": tier.rate, "description": tier.description}
+    """Write the tier's new rate, scope and description (if they differ) as one version."""
+    rate, scope = limit
+    new_tier = repo.TierRow(
+        name, rate, scope, description, version=0, num_users=tier.num_users if tier else 0
     )
-    after = {"output_tokens_per_second": rate, "description": description}
-    if before == after:
+    before = _tier_record(tier)
+    if before == _tier_record(new_tier):
         assert tier is not None
         return ConfigChange(tier_view(tier), None)
     version = _record(
@@ -538,16 +586,12 @@ def _set_tier(
         action=action,
         target=name,
         before=before,
-        after=after,
-        ops=[p.SetTier(name=name, rate=rate)],
+        after=_tier_record(new_tier),
+        ops=[p.SetTier(name=name, rate=rate, scope=scope)],
     )
-    if tier is None:
-        repo.insert_tier(conn, name=name, rate=rate, description=description, version=version)
-        tier = repo.TierRow(name, rate, description, version, 0)
-    else:
-        repo.update_tier(conn, name=name, rate=rate, description=description, version=version)
-        tier = tier._replace(rate=rate, description=description, version=version)
-    return ConfigChange(tier_view(tier), version)
+    write = repo.insert_tier if tier is None else repo.update_tier
+    write(conn, name=name, rate=rate, scope=scope, description=description, version=version)
+    return ConfigChange(tier_view(new_tier._replace(version=version)), version)
 
 
 @service("write")
@@ -565,7 +609,7 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None
         actor=actor,
         action="delete_tier",
         target=name,
-        before={"output_tokens_per_second": tier.rate, "description": tier.description},
+        before=_tier_record(tier),
         after=None,
         ops=[p.DeleteTier(name=name)],
     )
@@ -574,19 +618,25 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None
 
 
 @service("write")
-def put_default(conn: Connection, *, actor: str, rate: int | None) -> ConfigChange[DefaultOut]:
+def put_default(
+    conn: Connection, *, actor: str, rate: int | None, scope: Scope | None = None
+) -> ConfigChange[DefaultOut]:
+    """Replace the default rate and scope (None: "fleet")."""
     state = repo.lock_config(conn)
-    if state.default_rate == rate:
-        return ConfigChange(DefaultOut(output_tokens_per_second=rate, version=state.version), None)
+    before = {"output_tokens_per_second": state.default_rate, "scope": state.default_scope}
+    after = {"output_tokens_per_second": rate, "scope": scope}
+    if before == after:
+        return ConfigChange(_default_view(state), None)
     version = _record(
         conn,
         state,
         actor=actor,
         action="put_default",
         target="default",
-        before={"output_tokens_per_second": state.default_rate},
-        after={"output_tokens_per_second": rate},
-        ops=[p.SetDefault(rate=rate)],
+        before=before,
+        after=after,
+        ops=[p.SetDefault(rate=rate, scope=scope)],
     )
-    repo.set_default_rate(conn, rate)
-    return ConfigChange(DefaultOut(output_tokens_per_second=rate, version=version), version)
+    repo.set_default(conn, rate, scope)
+    new_state = state._replace(version=version, default_rate=rate, default_scope=scope)
+    return ConfigChange(_default_view(new_state), version)

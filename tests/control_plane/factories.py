@@ -12,6 +12,7 @@ from sqlalchemy import Connection, create_engine, text
 
 from control_plane.app import create_app
 from control_plane.cli import upgrade
+from control_plane.fleet.view import FleetView
 from control_plane.settings import Settings
 from control_plane.usage.book import UsageSource
 
@@ -45,8 +46,10 @@ def make_settings(url: str, **overrides: object) -> Settings:
     return Settings(database_url=url, admin_token=ADMIN_TOKEN, **overrides)  # type: ignore[arg-type]
 
 
-def make_client(url: str, *, usage_source: UsageSource | None = None) -> TestClient:
-    client = TestClient(create_app(make_settings(url), usage_source=usage_source))
+def make_client(
+    url: str, *, usage_source: UsageSource | None = None, fleet: FleetView | None = None
+) -> TestClient:
+    client = TestClient(create_app(make_settings(url), usage_source=usage_source, fleet=fleet))
     client.headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
     return client
 

@@ -24,7 +24,11 @@ def test_unknown_user_gets_the_default(client: TestClient) -> None:
         "output_tokens_per_second": None,
         "effective_output_tokens_per_second": None,
         "source": "default",
+        "scope": None,
+        "effective_scope": "fleet",
+        "shares": [],
         "version": 0,
+        "received_output_tokens_per_second": None,
     }
     assert client.put("/default-limit", json={"output_tokens_per_second": 30}).status_code == 200
     assert client.get("/limits/nobody").json()["effective_output_tokens_per_second"] == 30
@@ -57,7 +61,7 @@ def test_every_write_bumps_one_version_and_same_put_twice_writes_once(client: Te
     assert entry["action"] == "put_limit"
     assert entry["target"] == "a"
     assert entry["before"] is None
-    assert entry["after"] == {"tier": None, "output_tokens_per_second": 20}
+    assert entry["after"] == {"tier": None, "output_tokens_per_second": 20, "scope": None}
 
 
 def test_tier_rate_change_is_one_version_for_all_its_users(client: TestClient) -> None:
@@ -73,6 +77,7 @@ def test_tier_rate_change_is_one_version_for_all_its_users(client: TestClient) -
     assert tier == {
         "name": "free",
         "output_tokens_per_second": 40,
+        "scope": None,
         "description": "free",
         "num_users": 5,
         "version": before + 1,

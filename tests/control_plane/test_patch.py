@@ -32,7 +32,11 @@ def test_tier_description_alone_keeps_the_rate(client: TestClient) -> None:
     assert client.get("/tiers/pro").json()["output_tokens_per_second"] == 100
     assert client.get("/tiers/pro").json()["description"] == "Paid plan"
     assert audit(client)[0]["action"] == "patch_tier"
-    assert audit(client)[0]["before"] == {"output_tokens_per_second": 100, "description": "paid"}
+    assert audit(client)[0]["before"] == {
+        "output_tokens_per_second": 100,
+        "scope": None,
+        "description": "paid",
+    }
 
 
 def test_tier_rate_alone_keeps_the_description_and_null_is_unlimited(client: TestClient) -> None:

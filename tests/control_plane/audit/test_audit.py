@@ -18,7 +18,11 @@ def test_audit_pages_are_bounded_and_bulk_changes_paged(client: TestClient) -> N
         assert client.post("/limits:bulk", json={"items": items}).status_code == 200
         sent.append(
             {
-                i["user"]: {"tier": None, "output_tokens_per_second": i["output_tokens_per_second"]}
+                i["user"]: {
+                    "tier": None,
+                    "output_tokens_per_second": i["output_tokens_per_second"],
+                    "scope": None,
+                }
                 for i in items
             }
         )
