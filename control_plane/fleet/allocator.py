@@ -329,6 +329,14 @@ class FleetAllocator:
     def num_engines(self) -> int:
         return len(self._engines)
 
+    def knows_engine(self, engine_id: str) -> bool:
+        """The engine is live or silent, not gone (a gone one comes back as a new engine)."""
+        return engine_id in self._engines
+
+    def knows_user(self, user: str) -> bool:
+        """Some engine reports demand for the user or may hold a share of it."""
+        return user in self._users
+
     # ---- internals --------------------------------------------------------------------
 
     def _engine(self, engine_id: str) -> _Engine:
