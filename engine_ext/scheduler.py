@@ -312,6 +312,9 @@ class OutputRateMixin:
             config_version=None if push is None else push.applied_version,
             connected=None if push is None else push.is_in_sync,
             tier_of=self._tier_of(),
+            fleet_size=None if push is None else push.table.num_engines,
+            num_shares=None if push is None else len(push.table.fleet.shares),
+            shares_leased=None if push is None else push.table.fleet.lease_expires_ns is not None,
         )
 
     def _tier_of(self) -> Callable[[str], str | None]:
