@@ -249,7 +249,14 @@ class OutputRateMixin:
         # WAKEUP: a limit update that woke it is applied (and acknowledged)
         # now, not when the next request arrives.
         self.apply_control_plane_updates()
-        return super().has_requests()  # type: ignore[misc]
+        if super().has_requests():  # type: ignore[misc]
+            return True
+        # Idle: no schedule() reports the demand that ended with the last request, and a
+        # share left here would sit unused while the user's other engines need it.
+        push = self.push_client
+        if push is not None and push.demand_sent:
+            push.report_demand({})
+        return False
 
     def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
