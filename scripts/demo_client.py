@@ -155,6 +155,13 @@ async def poll_engine_rates(
         await asyncio.sleep(USAGE_POLL_S)
 
 
+def spark_cell(rate: float, peak: float) -> str:
+    # Any tokens at all show as the lowest bar: a limited tenant beside a peak of
+    # hundreds of tok/s would otherwise look idle.
+    level = round(8 * rate / peak)
+    return SPARK[min(8, max(level, 1 if rate > 0 else 0))]
+
+
 def fmt_rate(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.1f}"
 
@@ -189,7 +196,7 @@ class Screen:
         )
         peak = max([max(v.history) for v in self.views] + [1.0])
         for v in self.views:
-            spark = "".join(SPARK[min(8, round(8 * x / peak))] for x in v.history)
+            spark = "".join(spark_cell(x, peak) for x in v.history)
             p50 = f"{statistics.median(v.ttft_ms):.0f} ms" if v.ttft_ms else "-"
             stream = f"{v.last_stream_rate:.0f}" if v.last_stream_rate is not None else "-"
             failed = f" ({v.num_failed} cut)" if v.num_failed else ""

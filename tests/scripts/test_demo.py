@@ -35,9 +35,8 @@ def test_the_demo_limits_the_tenant_live_and_serves_the_normal_user(tmp_path: Pa
     # Not a terminal: one line per refresh,
     # "[phase] user: engine E tok/s (1 s) client C tok/s ttft T ...".
     lines = done.stdout.splitlines()
-    unlimited = [line for line in lines if line.startswith("[1/3")]
     limited = [line for line in lines if line.startswith("[2/3")]
-    assert unlimited and limited, done.stdout[-3000:]
+    assert limited, done.stdout[-3000:]
     cell = r"engine\s+([\d.]+) tok/s \(1 s\) client\s+([\d.]+) tok/s ttft (\S+)"
     last = re.search(rf"tenant: {cell} .* normal: {cell}", limited[-1])
     assert last is not None, limited[-1]
@@ -48,10 +47,6 @@ def test_the_demo_limits_the_tenant_live_and_serves_the_normal_user(tmp_path: Pa
     assert tenant_engine <= TIER_RATE * 1.5, limited[-1]
     assert tenant_client <= TIER_RATE * 1.5, limited[-1]
     assert normal_client > 0 and not normal_ttft.startswith(">"), limited[-1]
-    # The engine column is the engine's own figure: side by side, the tenant got more
-    # without a limit than with one.
-    first = [re.search(rf"tenant: {cell}", line) for line in unlimited]
-    assert max(float(m[1]) for m in first if m) > tenant_engine, unlimited[-3:]
     usage_line = done.stdout.split("usage as the engines report it", 1)[1].splitlines()[1]
     usage = {item["user"]: item for item in json.loads(usage_line)["items"]}
     assert usage["tenant"]["limit"] == TIER_RATE
