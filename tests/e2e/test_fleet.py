@@ -217,3 +217,35 @@ def test_an_engine_killed_the_other_takes_the_whole_limit(stack: FleetStack) -> 
     assert end - start > 1.0, "the streams ended too soon to see the take-over"
     num_tokens = tokens_between(results, start, end)
     assert 0.9 * LIMIT * (end - start) <= num_tokens <= fleet_bound(end - start)
+
+
+def test_data_parallel_ranks_join_the_fleet_each_as_an_engine(stack: FleetStack) -> None:
+    # Last in the module: the ranks join the fleet the other tests measured.
+    cp = stack.control_plane
+    dp = VllmServer(
+        stack.tmp / "dp.log",
+        "--control-plane-endpoint",
+        f"tcp://127.0.0.1:{stack.zmq_port}",
+        "--output-rate-engine-id",
+        "fleet-dp",
+        "--data-parallel-size",
+        "2",
+    )
+    try:
+        dp.wait_ready()
+        deadline = time.monotonic() + 60
+        ranks: set[str] = set()
+        while time.monotonic() < deadline and ranks != {"fleet-dp-dp0", "fleet-dp-dp1"}:
+            items = httpx.get(f"{cp.url}/engines", headers=AUTH).json()["items"]
+            ranks = {e["engine_id"] for e in items if e["connected"]} & {
+                "fleet-dp-dp0",
+                "fleet-dp-dp1",
+            }
+            time.sleep(0.5)
+        assert ranks == {"fleet-dp-dp0", "fleet-dp-dp1"}
+        # Streams of the user on the data-parallel server share its one fleet budget.
+        results = streams({dp.url: 4}, max_tokens=40)[dp.url]
+        assert all(r.completion_tokens == 40 for r in results)
+        assert_within_fleet_bound(results)
+    finally:
+        dp.kill()
