@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 from starlette.applications import Starlette
 
 from control_plane.db import Database
+from control_plane.fleet.view import FleetView
 from control_plane.metrics import Metrics
 from control_plane.settings import Settings
 from control_plane.usage.book import UsageSource
@@ -29,6 +30,8 @@ class AppState:
     db: Database
     # What GET /usage and /metrics show of live usage.
     usage_source: UsageSource
+    # What GET /limits/{user} and GET /engines show of fleet shares.
+    fleet: FleetView
     metrics: Metrics
     insecure_no_auth: bool
 
@@ -51,6 +54,10 @@ async def get_usage_source(request: Request) -> UsageSource:
     return app_state(request.app).usage_source
 
 
+async def get_fleet(request: Request) -> FleetView:
+    return app_state(request.app).fleet
+
+
 async def get_metrics(request: Request) -> Metrics:
     return app_state(request.app).metrics
 
@@ -59,3 +66,4 @@ DatabaseDep = Annotated[Database, Depends(get_database)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+FleetDep = Annotated[FleetView, Depends(get_fleet)]

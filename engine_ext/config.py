@@ -34,6 +34,8 @@ class OutputRateConfig:
     # long a user stays idle before its series goes.
     metrics_max_users: int = DEFAULT_MAX_USERS
     metrics_idle_s: float = DEFAULT_IDLE_S
+    # --data-parallel-size of the server (each rank joins the fleet as its own engine).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         validate_rate(self.default_rate, field="default_rate")
@@ -43,6 +45,11 @@ class OutputRateConfig:
             raise ValueError("metrics_idle_s must be > 0")
         for user, rate in self.user_rates.items():
             validate_rate(rate, field=f"rate of user {user!r}")
+
+    def engine_id_of_rank(self, rank: int) -> str:
+        """The engine id a data-parallel rank connects with: the id, plus the rank."""
+        base = self.engine_id or "engine"
+        return f"{base}-dp{rank}" if self.data_parallel_size > 1 else base
 
     @property
     def enabled(self) -> bool:

@@ -65,7 +65,7 @@ def install_wake(engine: Any) -> Callable[[], None] | None:
     return wake
 
 
-def connect_control_plane(scheduler: Any, wake: Callable[[], None]) -> Any:
+def connect_control_plane(scheduler: Any, wake: Callable[[], None], rank: int = 0) -> Any:
     """Start the control-plane client of an engine with an endpoint and attach it.
 
     Called before the engine's busy loop reads its first request, so a
@@ -79,7 +79,7 @@ def connect_control_plane(scheduler: Any, wake: Callable[[], None]) -> Any:
     config = scheduler.output_rate_config
     client = PushClient(
         endpoint=config.control_plane_endpoint,
-        engine_id=config.engine_id or "engine",
+        engine_id=config.engine_id_of_rank(rank),
         model=str(scheduler.vllm_config.model_config.served_model_name or ""),
         server_public_key=config.control_plane_public_key,
         wake=wake,
@@ -117,7 +117,8 @@ def wrap_run_busy_loop(original: Callable[[Any], None]) -> Callable[[Any], None]
         wake = install_wake(self)
         client = None
         if wake is not None and self.scheduler.output_rate_config.control_plane_endpoint:
-            client = connect_control_plane(self.scheduler, wake)
+            # engine_index: the data-parallel rank of this engine core (0 without DP).
+            client = connect_control_plane(self.scheduler, wake, vllm_compat.engine_index(self))
         try:
             original(self)
         finally:

@@ -1,90 +1,176 @@
-"""The engine's table of the limit model: how each op of the wire protocol changes the
-limiter's per-user rates (the rule itself is output_rate_core.limits)."""
+"""The engine's table of the limit model and of its fleet shares, flattened into limiter
+calls (milli-tokens/s). The rules themselves are output_rate_core.limits.
+
+What the limiter gets for a user (docs/fleet.md):
+- an ``"engine"``-scoped limit: the whole rate;
+- a ``"fleet"``-scoped limit: this engine's share while its lease holds; without one
+  (no share yet, the share is 0, or the lease ran out) the safe share: the limit
+  divided by the number of engines the control plane last said the fleet has;
+- unlimited: nothing.
+Users whose limit is the default and who hold no share keep no entry of their own:
+the limiter's default rate applies to them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
 from engine_ext.limiter import OutputRateLimiter
 from output_rate_core import protocol as p
-from output_rate_core.limits import DEFAULT, effective_rate
+from output_rate_core.limits import (
+    DEFAULT,
+    ENGINE,
+    EVERYONE,
+    Effective,
+    LimitModel,
+    safe_share,
+)
+
+
+@dataclass
+class ShareState:
+    """This engine's shares of fleet limits, as the control plane last sent them."""
+
+    # user -> share (milli-tokens/s, > 0)
+    shares: dict[str, int] = field(default_factory=dict)
+    # None until a full Shares message of the current allocator arrived.
+    epoch: int | None = None
+    seq: int = 0
+    lease_expires_ns: int | None = None
+    num_dropped: int = 0
 
 
 class LimitTable:
-    """The control plane's model (default, tiers, users), flattened into limiter calls.
+    """The control plane's model (default, tiers, users) and this engine's shares."""
 
-    It keeps the tier and user tables because one op can change many users'
-    effective rates (a tier's new rate applies to every user of that tier).
-    """
-
-    def __init__(self) -> None:
-        self.default_rate: int | None = None
-        self.tiers: dict[str, int | None] = {}
-        # user -> (tier, override)
-        self.users: dict[str, tuple[str | None, int | None]] = {}
-        # tier -> users assigned to it
-        self.members: dict[str, set[str]] = {}
-
-    def tier_of(self, user: str) -> str | None:
-        return self.users.get(user, (None, None))[0]
-
-    def effective_user_rates(self) -> dict[str, int | None]:
-        """Per-user limiter rates; users with neither tier nor override get the default."""
-        rates: dict[str, int | None] = {}
-        tiers = self.tiers
-        for user, (tier, override) in self.users.items():
-            rate, source = effective_rate(override, tier, tiers.get(tier) if tier else None, None)
-            if source != DEFAULT:
-                rates[user] = rate
-        return rates
+    def __init__(self, model: LimitModel | None = None, num_engines: int = 1) -> None:
+        self.model = model if model is not None else LimitModel()
+        self.num_engines = num_engines
+        self.fleet = ShareState()
 
     @classmethod
     def from_snapshot(cls, snapshot: p.Snapshot) -> LimitTable:
-        table = cls()
-        table.default_rate = snapshot.default_rate
-        table.tiers = dict(snapshot.tiers)
-        table.users = dict(snapshot.users)
-        for user, (tier, _) in table.users.items():
-            if tier is not None:
-                table.members.setdefault(tier, set()).add(user)
-        return table
+        return cls(LimitModel.from_snapshot(snapshot), snapshot.num_engines)
 
-    def load(self, snapshot: p.Snapshot, limiter: OutputRateLimiter) -> None:
-        """Take the snapshot's state and hand it to the limiter as a whole."""
-        table = LimitTable.from_snapshot(snapshot)
-        self.default_rate, self.tiers = table.default_rate, table.tiers
-        self.users, self.members = table.users, table.members
-        limiter.replace_all(self.default_rate, self.effective_user_rates())
+    def tier_of(self, user: str) -> str | None:
+        return self.model.tier_of(user)
+
+    def is_fleet_limited(self, user: str) -> bool:
+        """True if the user's limit is split over the fleet (it reports demand for it)."""
+        effective = self.model.effective(user)
+        return effective.rate is not None and effective.scope != ENGINE
+
+    # ---- what the limiter gets --------------------------------------------------
+
+    def default_milli(self) -> int | None:
+        rate = self.model.default_rate
+        if rate is None:
+            return None
+        if self.model.effective_default_scope == ENGINE:
+            return rate * p.MILLI
+        return safe_share(rate * p.MILLI, self.num_engines)
+
+    def _milli(self, user: str, effective: Effective) -> tuple[bool, int | None]:
+        """(whether the user needs an entry of its own, its rate in milli-tokens/s)."""
+        rate = effective.rate
+        own = effective.source != DEFAULT
+        if rate is None:
+            return own, None
+        if effective.scope == ENGINE:
+            return own, rate * p.MILLI
+        share = self.fleet.shares.get(user)
+        if share is not None:
+            return True, share
+        return own, safe_share(rate * p.MILLI, self.num_engines)
+
+    def user_millis(self) -> dict[str, int | None]:
+        """Every user's own limiter entry (users without one get the default)."""
+        return self.user_millis_of((*self.model.users, *self.fleet.shares))
+
+    def user_millis_of(self, users: Iterable[str]) -> dict[str, int | None]:
+        """``user_millis`` of these users only."""
+        effective = self.model.effective
+        millis: dict[str, int | None] = {}
+        for user in users:
+            own, milli = self._milli(user, effective(user))
+            if own:
+                millis[user] = milli
+        return millis
+
+    def load(self, limiter: OutputRateLimiter) -> None:
+        """Hand the whole table to the limiter."""
+        limiter.replace_all_milli(self.default_milli(), self.user_millis())
+
+    def _sync(self, users: Iterable[str], limiter: OutputRateLimiter) -> None:
+        effective = self.model.effective
+        for user in users:
+            own, milli = self._milli(user, effective(user))
+            if own:
+                limiter.set_milli_rate(user, milli)
+            else:
+                limiter.clear_rate(user)  # the limiter's own default applies
+
+    # ---- changes ------------------------------------------------------------------
 
     def apply(self, op: p.Op, limiter: OutputRateLimiter) -> None:
-        if isinstance(op, p.SetUser):
-            self._forget_user(op.user)
-            self.users[op.user] = (op.tier, op.rate)
-            if op.tier is not None:
-                self.members.setdefault(op.tier, set()).add(op.user)
-            self._sync_user(op.user, limiter)
-        elif isinstance(op, p.DeleteUser):
-            self._forget_user(op.user)
-            limiter.clear_rate(op.user)
-        elif isinstance(op, p.SetTier):
-            self.tiers[op.name] = op.rate
-            for user in self.members.get(op.name, ()):
-                self._sync_user(user, limiter)
-        elif isinstance(op, p.DeleteTier):
-            self.tiers.pop(op.name, None)
-            for user in self.members.pop(op.name, set()):
-                self._sync_user(user, limiter)
+        """One op of a delta."""
+        old_default_scope = self.model.effective_default_scope
+        changed = self.model.apply(op)
+        if changed is EVERYONE:
+            limiter.set_default_milli_rate(self.default_milli())
+            if self.model.effective_default_scope != old_default_scope:
+                self._sync([*self.model.users, *self.fleet.shares], limiter)
+            else:
+                self._sync(list(self.fleet.shares), limiter)
         else:
-            self.default_rate = op.rate
-            limiter.set_default_rate(op.rate)
+            self._sync(changed, limiter)
 
-    def _forget_user(self, user: str) -> None:
-        old = self.users.pop(user, None)
-        if old is not None and old[0] is not None:
-            self.members.get(old[0], set()).discard(user)
+    def adopt_fleet(self, old: LimitTable) -> None:
+        """Keep the shares of the table this one replaces (a snapshot is config only)."""
+        self.fleet = old.fleet
 
-    def _sync_user(self, user: str, limiter: OutputRateLimiter) -> None:
-        tier, override = self.users.get(user, (None, None))
-        rate, source = effective_rate(override, tier, self.tiers.get(tier) if tier else None, None)
-        if source == DEFAULT:
-            limiter.clear_rate(user)  # the limiter's own default applies
-        else:
-            limiter.set_rate(user, rate)
+    def apply_shares(self, message: p.Shares, limiter: OutputRateLimiter, now_ns: int) -> bool:
+        """Apply a Shares message; False if it cannot be (a gap: ask for a full one).
+
+        A duplicate or an older message is dropped (and counted) and answers True.
+        """
+        fleet = self.fleet
+        if message.epoch != fleet.epoch:
+            if not message.full:
+                return False  # a delta of an allocator whose full table we never got
+        elif message.seq <= fleet.seq:
+            fleet.num_dropped += 1
+            return True
+        elif message.seq != fleet.seq + 1 and not message.full:
+            return False
+        fleet.epoch, fleet.seq = message.epoch, message.seq
+        fleet.lease_expires_ns = now_ns + message.lease_ms * 1_000_000
+        touched: set[str] = set()
+        if message.full:
+            touched.update(fleet.shares)
+            fleet.shares = {}
+        for user, share in message.shares.items():
+            touched.add(user)
+            if share > 0:
+                fleet.shares[user] = share
+            else:
+                fleet.shares.pop(user, None)
+        if message.num_engines != self.num_engines:
+            self.num_engines = message.num_engines
+            limiter.set_default_milli_rate(self.default_milli())
+            touched.update(self.model.users)
+        self._sync(touched, limiter)
+        return True
+
+    def expire_lease(self, limiter: OutputRateLimiter, now_ns: int) -> bool:
+        """Past the lease, every share falls back to the safe share; True if it did."""
+        fleet = self.fleet
+        if fleet.lease_expires_ns is None or now_ns <= fleet.lease_expires_ns:
+            return False
+        users = list(fleet.shares)
+        fleet.shares = {}
+        fleet.lease_expires_ns = None
+        fleet.epoch = None  # only a full table is trusted after this
+        self._sync(users, limiter)
+        return True

@@ -5,8 +5,9 @@ injected ``clock_ns``, so it can be driven by a fake clock in tests.
 
 Each limited user keeps one theoretical arrival time (TAT). A token is allowed
 when ``TAT - now <= burst``; taking it moves ``TAT = max(TAT, now) + 1/rate``.
-Times are stored multiplied by the user's rate, so ``1/rate`` seconds is
-exactly ``NS_PER_S`` units and the arithmetic stays in integers.
+Rates are held in milli-tokens/s (a fleet share can be a fraction of a token per
+second, docs/fleet.md) and times are stored multiplied by that rate, so ``1/rate``
+seconds is exactly ``TOKEN`` units and the arithmetic stays in integers.
 
 A rate change re-scales the user's state at once: lowering keeps the
 TAT at the same point in real time (the user waits at most one old interval);
@@ -18,15 +19,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from output_rate_core.protocol import MAX_SHARE, MILLI
 from output_rate_core.rates import validate_rate
 
 NS_PER_S = 1_000_000_000
+# One token in scaled time units (ns x milli-tokens/s).
+TOKEN = MILLI * NS_PER_S
 DEFAULT_BURST_NS = 100_000_000
 ANONYMOUS_USER = "__anonymous__"
 
 
+def _milli(rate: int | None) -> int | None:
+    return None if rate is None else rate * MILLI
+
+
+def _tokens_per_s(milli: int | None) -> float | None:
+    """A milli rate in tokens/s (an int when whole)."""
+    if milli is None:
+        return None
+    return milli // MILLI if milli % MILLI == 0 else milli / MILLI
+
+
+def validate_milli_rate(milli: object, *, field: str = "rate") -> int | None:
+    if milli is None:
+        return None
+    if isinstance(milli, bool) or not isinstance(milli, int) or not 1 <= milli <= MAX_SHARE:
+        raise ValueError(f"{field} must be 1 ... {MAX_SHARE} milli-tokens/s, got {milli!r}")
+    return milli
+
+
 class _UserState:
-    """GCRA state of one limited user, scaled by its current rate."""
+    """GCRA state of one limited user, scaled by its current rate (milli-tokens/s)."""
 
     __slots__ = ("burst_scaled", "rate", "tat_scaled")
 
@@ -64,13 +87,13 @@ class OutputRateLimiter:
             raise ValueError(f"burst_ns must be >= 0, got {burst_ns}")
         self._burst_ns = burst_ns
         self._clock_ns = clock_ns
-        self._default_rate = validate_rate(default_rate, field="default_rate")
-        # user -> override rate (None = unlimited for that user).
+        self._default_rate = _milli(validate_rate(default_rate, field="default_rate"))
+        # user -> override rate in milli-tokens/s (None = unlimited for that user).
         self._user_rates: dict[str, int | None] = {}
         # user -> GCRA state; only users limited at some point keep one.
         self._states: dict[str, _UserState] = {}
         for user, rate in (user_rates or {}).items():
-            self._user_rates[user] = validate_rate(rate, field=f"rate of user {user!r}")
+            self._user_rates[user] = _milli(validate_rate(rate, field=f"rate of user {user!r}"))
         # Overrides with a finite rate; with the default, decides is_unlimited.
         self._num_limited_overrides = sum(r is not None for r in self._user_rates.values())
         # Cached so the scheduler can check it every step for free.
@@ -79,18 +102,23 @@ class OutputRateLimiter:
     # ---- queries -------------------------------------------------------
 
     @property
-    def default_rate(self) -> int | None:
-        return self._default_rate
+    def default_rate(self) -> float | None:
+        """tokens/s of users without their own rate (None: unlimited)."""
+        return _tokens_per_s(self._default_rate)
 
     @property
     def burst_ns(self) -> int:
         return self._burst_ns
 
-    def user_rates(self) -> dict[str, int | None]:
-        """A copy of the per-user overrides."""
-        return dict(self._user_rates)
+    def user_rates(self) -> dict[str, float | None]:
+        """The per-user overrides in tokens/s."""
+        return {user: _tokens_per_s(milli) for user, milli in self._user_rates.items()}
 
-    def rate_of(self, user: str) -> int | None:
+    def rate_of(self, user: str) -> float | None:
+        """The user's rate in tokens/s (None: unlimited)."""
+        return _tokens_per_s(self.milli_rate_of(user))
+
+    def milli_rate_of(self, user: str) -> int | None:
         # An override of None (unlimited) wins over the default.
         return self._user_rates.get(user, self._default_rate)
 
@@ -116,15 +144,13 @@ class OutputRateLimiter:
             rate = self._user_rates.get(user, self._default_rate)
             if rate is None:
                 return True
-            self._states[user] = _UserState(
-                self._clock_ns() * rate + NS_PER_S, rate, self._burst_ns
-            )
+            self._states[user] = _UserState(self._clock_ns() * rate + TOKEN, rate, self._burst_ns)
             return True
         now_scaled = self._clock_ns() * state.rate
         tat = state.tat_scaled
         if tat - now_scaled > state.burst_scaled:
             return False
-        state.tat_scaled = (tat if tat > now_scaled else now_scaled) + NS_PER_S
+        state.tat_scaled = (tat if tat > now_scaled else now_scaled) + TOKEN
         return True
 
     def take_many(self, num_wanted: Mapping[str, int]) -> dict[str, int]:
@@ -150,15 +176,15 @@ class OutputRateLimiter:
             now_scaled = now * state.rate
             tat = state.tat_scaled
             base = tat if tat > now_scaled else now_scaled
-            # Token i (from 0) is allowed iff base + i * NS_PER_S - now <= burst.
+            # Token i (from 0) is allowed iff base + i * TOKEN - now <= burst.
             slack = now_scaled + state.burst_scaled - base
-            if slack < (num - 1) * NS_PER_S:
+            if slack < (num - 1) * TOKEN:
                 # Short: only the tokens that fit in the slack.
-                num = slack // NS_PER_S + 1 if slack >= 0 else 0
+                num = slack // TOKEN + 1 if slack >= 0 else 0
                 num_short[user] = num
                 if not num:
                     continue
-            state.tat_scaled = base + num * NS_PER_S
+            state.tat_scaled = base + num * TOKEN
         return num_short
 
     def num_available(self, user: str, limit: int) -> int:
@@ -166,17 +192,17 @@ class OutputRateLimiter:
         state = self._states.get(user)
         if state is None:
             rate = self._user_rates.get(user, self._default_rate)
-            return limit if rate is None else min(limit, self._burst_ns * rate // NS_PER_S + 1)
+            return limit if rate is None else min(limit, self._burst_ns * rate // TOKEN + 1)
         now_scaled = self._clock_ns() * state.rate
         tat = state.tat_scaled
         slack = now_scaled + state.burst_scaled - (tat if tat > now_scaled else now_scaled)
-        return min(limit, slack // NS_PER_S + 1) if slack >= 0 else 0
+        return min(limit, slack // TOKEN + 1) if slack >= 0 else 0
 
     def refund(self, user: str, num: int = 1) -> None:
         """Give back ``num`` tokens taken in this step (exactly undoes the takes)."""
         state = self._states.get(user)
         if state is not None:
-            state.tat_scaled -= num * NS_PER_S
+            state.tat_scaled -= num * TOKEN
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock time at which ``try_take(user)`` can succeed."""
@@ -186,13 +212,24 @@ class OutputRateLimiter:
         # ceil((tat - burst) / rate), in unscaled ns
         return -(-(state.tat_scaled - state.burst_scaled) // state.rate)
 
+    def with_clock(self, clock_ns: Callable[[], int]) -> OutputRateLimiter:
+        """A limiter with the same rates and no user state, reading ``clock_ns``."""
+        limiter = OutputRateLimiter(None, burst_ns=self._burst_ns, clock_ns=clock_ns)
+        limiter.replace_all_milli(self._default_rate, self._user_rates)
+        return limiter
+
     # ---- hot swap ------------------------------------------------------
 
     def set_rate(self, user: str, rate: int | None) -> None:
+        """The user's own rate in tokens/s (None: unlimited)."""
         validate_rate(rate, field=f"rate of user {user!r}")
+        self.set_milli_rate(user, _milli(rate))
+
+    def set_milli_rate(self, user: str, milli: int | None) -> None:
+        validate_milli_rate(milli, field=f"rate of user {user!r}")
         self._forget_override(user)
-        self._user_rates[user] = rate
-        self._num_limited_overrides += rate is not None
+        self._user_rates[user] = milli
+        self._num_limited_overrides += milli is not None
         self._sync_states([user])
 
     def clear_rate(self, user: str) -> None:
@@ -200,15 +237,31 @@ class OutputRateLimiter:
         self._sync_states([user])
 
     def set_default_rate(self, rate: int | None) -> None:
-        self._default_rate = validate_rate(rate, field="default_rate")
+        self.set_default_milli_rate(_milli(validate_rate(rate, field="default_rate")))
+
+    def set_default_milli_rate(self, milli: int | None) -> None:
+        self._default_rate = validate_milli_rate(milli, field="default_rate")
         self._sync_states([u for u in self._states if u not in self._user_rates])
 
     def replace_all(self, default_rate: int | None, user_rates: Mapping[str, int | None]) -> None:
-        """Install a whole snapshot; users keep their TAT in real time."""
+        """Install a whole snapshot (tokens/s); users keep their TAT in real time."""
         new_default = validate_rate(default_rate, field="default_rate")
+        self.replace_all_milli(
+            _milli(new_default),
+            {
+                user: _milli(validate_rate(rate, field=f"rate of user {user!r}"))
+                for user, rate in user_rates.items()
+            },
+        )
+
+    def replace_all_milli(
+        self, default_milli: int | None, user_millis: Mapping[str, int | None]
+    ) -> None:
+        """``replace_all`` in milli-tokens/s."""
+        new_default = validate_milli_rate(default_milli, field="default_rate")
         new_rates = {
-            user: validate_rate(rate, field=f"rate of user {user!r}")
-            for user, rate in user_rates.items()
+            user: validate_milli_rate(milli, field=f"rate of user {user!r}")
+            for user, milli in user_millis.items()
         }
         self._default_rate = new_default
         self._user_rates = new_rates
@@ -230,7 +283,7 @@ class OutputRateLimiter:
             state = states.get(user)
             if state is None:
                 continue
-            rate = self.rate_of(user)
+            rate = self.milli_rate_of(user)
             if rate is None:
                 del states[user]  # unlimited users keep no state
             elif rate != state.rate:

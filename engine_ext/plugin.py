@@ -15,6 +15,7 @@ With none of the flags given, nothing changes: the scheduler is upstream's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -91,7 +92,16 @@ def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any
             return vllm_config
         from engine_ext.verify import verify_config
 
-        verify_config(vllm_config, user_scheduler_cls=self.scheduler_cls)
+        verify_config(
+            vllm_config,
+            user_scheduler_cls=self.scheduler_cls,
+            has_control_plane=rate_config.control_plane_endpoint is not None,
+        )
+        num_ranks = vllm_config.parallel_config.data_parallel_size
+        if num_ranks > 1:
+            # Every rank's engine core joins the fleet as an engine of its own.
+            rate_config = dataclasses.replace(rate_config, data_parallel_size=num_ranks)
+            vllm_config.additional_config[CONFIG_KEY] = rate_config.to_dict()
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = (
             ASYNC_SCHEDULER if scheduler_config.async_scheduling else SYNC_SCHEDULER

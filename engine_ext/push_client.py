@@ -13,6 +13,13 @@ Usage: the scheduler counts granted tokens and throttled request-steps per
 user in plain dicts and hands them over with ``report_usage`` about once a
 second; the client takes ownership of the dicts (the caller starts new ones),
 and the IO thread encodes and sends them.
+
+Fleet shares (docs/fleet.md): the scheduler hands over its streams per fleet-limited
+user with ``report_demand`` (at once when a user is new here, else every 250 ms); the
+client sends what changed, and the whole map after every snapshot and every few
+seconds. Shares arrive as their own messages, are applied by the table on the engine
+thread like deltas, and acknowledged; past their lease the table falls back to safe
+shares.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
+# The whole demand map is restated this often (a lost delta heals by then).
+FULL_DEMAND_INTERVAL_S = 5.0
 
 
 def _reportable(counts: dict[str, int]) -> dict[str, int]:
@@ -53,12 +62,14 @@ class _PreparedSnapshot:
 
     version: int
     table: LimitTable
-    rates: dict[str, int | None]
+    # The limiter's entries before any share (milli-tokens/s).
+    default_milli: int | None
+    millis: dict[str, int | None]
 
     @classmethod
     def of(cls, snapshot: p.Snapshot) -> _PreparedSnapshot:
         table = LimitTable.from_snapshot(snapshot)
-        return cls(snapshot.version, table, table.effective_user_rates())
+        return cls(snapshot.version, table, table.default_milli(), table.user_millis())
 
 
 # What the IO thread hands the engine thread: a frame to decode, a snapshot it
@@ -116,6 +127,10 @@ class PushClient:
         # not be buried under more snapshots); back to resync_retry_s once one lands.
         self._resync_wait_s = resync_retry_s
         self._last_usage_at = time.monotonic()
+        # user -> streams, as the control plane last heard them from this engine
+        self.demand_sent: dict[str, int] = {}
+        self._full_demand_due = True
+        self._last_full_demand_at = 0.0
         self.num_dropped = 0
         self.num_resyncs = 0
         # IO-thread state.
@@ -154,8 +169,24 @@ class PushClient:
         """Block until the first snapshot has arrived (``apply_pending`` applies it)."""
         return self._snapshot_seen.wait(timeout_s)
 
-    def apply_pending(self, limiter: OutputRateLimiter) -> int:
-        """Apply what arrived since the last call; return the number of versions applied."""
+    @property
+    def demand_due(self) -> bool:
+        """The control plane should hear this engine's whole demand now."""
+        return self._full_demand_due
+
+    def apply_pending(self, limiter: OutputRateLimiter, now_ns: int | None = None) -> int:
+        """Apply what arrived since the last call; return the number of versions applied.
+
+        ``now_ns`` (the scheduler's clock) times the lease of the fleet shares."""
+        fleet = self.table.fleet
+        if fleet.lease_expires_ns is not None:
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            if self.table.expire_lease(limiter, now_ns):
+                logger.warning(
+                    "output-rate: no share renewal from the control plane within the lease; "
+                    "fleet limits fall back to safe shares (limit / %d engines)",
+                    self.table.num_engines,
+                )
         inbound = self._inbound
         if inbound.empty() and not self._resyncing:
             return 0
@@ -169,7 +200,7 @@ class PushClient:
                 if isinstance(item, _PreparedSnapshot):
                     num_applied += self._install(item, limiter)
                 else:
-                    num_applied += self._handle(p.decode(item), limiter)
+                    num_applied += self._handle(p.decode(item), limiter, now_ns)
             except p.ProtocolError as e:
                 self.num_dropped += 1
                 logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
@@ -198,10 +229,40 @@ class PushClient:
         )
         self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
 
+    def report_demand(self, streams: dict[str, int]) -> None:
+        """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
+        now = time.monotonic()
+        sent = self.demand_sent
+        full = self._full_demand_due or now - self._last_full_demand_at > FULL_DEMAND_INTERVAL_S
+        if full:
+            changes = streams
+            self._full_demand_due = False
+            self._last_full_demand_at = now
+        else:
+            changes = {user: n for user, n in streams.items() if sent.get(user) != n}
+            changes.update((user, 0) for user in sent if user not in streams)
+            if not changes:
+                return
+        self.demand_sent = streams
+        # Frames stay small: a full map over MAX_DEMAND_USERS goes as a full part and
+        # partial rest (names that are no user id are never fleet-limited: is_user_id).
+        items = [(user, n) for user, n in changes.items() if is_user_id(user)]
+        step = p.MAX_DEMAND_USERS
+        for start in range(0, max(len(items), 1), step):
+            part = dict(items[start : start + step])
+            self._send(p.Demand(self.engine_id, full and start == 0, part))
+
     def _install(self, snapshot: _PreparedSnapshot, limiter: OutputRateLimiter) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).
-        self.table = snapshot.table
-        limiter.replace_all(snapshot.table.default_rate, snapshot.rates)
+        table = snapshot.table
+        table.adopt_fleet(self.table)
+        millis = snapshot.millis
+        if table.fleet.shares:
+            millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
+        self.table = table
+        limiter.replace_all_milli(snapshot.default_milli, millis)
+        # A snapshot follows every new connection: the server hears the whole demand.
+        self._full_demand_due = True
         self.applied_version = snapshot.version
         self.has_snapshot = True
         self._resyncing = False
@@ -209,9 +270,22 @@ class PushClient:
         self._send(p.Ack(self.engine_id, snapshot.version))
         return 1
 
-    def _handle(self, message: p.Message, limiter: OutputRateLimiter) -> int:
+    def _handle(
+        self, message: p.Message, limiter: OutputRateLimiter, now_ns: int | None = None
+    ) -> int:
         if isinstance(message, p.Snapshot):
             return self._install(_PreparedSnapshot.of(message), limiter)
+        if isinstance(message, p.Shares):
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            if self.table.apply_shares(message, limiter, now_ns):
+                fleet = self.table.fleet
+                assert fleet.epoch is not None
+                self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))
+            else:
+                # A gap in the share messages: the server answers a full demand
+                # report with a full table of this engine's shares.
+                self._full_demand_due = True
+            return 0
         if isinstance(message, p.Delta):
             if self._resyncing or message.version <= self.applied_version:
                 return 0  # a duplicate, or older than the snapshot on its way

@@ -24,6 +24,7 @@ A thin adapter between upstream's scheduler and ``engine_ext.planner``. Each
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,9 @@ MAX_WAIT_S = 0.05
 # How often idle limiter state and rotation bookkeeping are pruned.
 CLEANUP_INTERVAL_STEPS = 256
 USAGE_REPORT_INTERVAL_NS = 1_000_000_000
+# Fleet demand (streams per user) is restated this often; a user new to this engine
+# is reported at the next step (docs/fleet.md).
+DEMAND_REPORT_INTERVAL_NS = 250_000_000
 
 
 def request_user(request: Request) -> str:
@@ -110,6 +114,9 @@ class OutputRateMixin:
         # The control-plane client, attached by the engine-core side.
         self.push_client: Any = None
         self._next_usage_report_ns = 0
+        self._next_demand_report_ns = 0
+        # A request of a user the control plane has no demand of from this engine came.
+        self._new_demand = False
         # metrics: engine figures on vLLM's /metrics (engine_ext/metrics.py); None if log stats off.
         self.output_rate_metrics = engine_metrics_for(self.output_rate_config, self.log_stats)
         if self.output_rate_metrics is not None:
@@ -130,10 +137,7 @@ class OutputRateMixin:
     def use_fake_clock(self, clock_ns: Callable[[], int]) -> None:
         """Test seam: drive the limiter and the wake-up time from a fake clock."""
         self.output_rate_clock_ns = clock_ns
-        limiter = self.output_rate_limiter
-        self.output_rate_limiter = OutputRateLimiter(
-            limiter.default_rate, limiter.user_rates(), clock_ns=clock_ns
-        )
+        self.output_rate_limiter = self.output_rate_limiter.with_clock(clock_ns)
 
     def _user_of(self, request: Request) -> str:
         return self.output_rate_users[request]
@@ -159,13 +163,17 @@ class OutputRateMixin:
             old = self._output_rate_requests.pop(request.request_id, None)
             if old is not None:  # the id of a request freed since the last step
                 del self.output_rate_users[old]
-            self.output_rate_users[request] = request_user(request)
+            user = self.output_rate_users[request] = request_user(request)
             self._output_rate_requests[request.request_id] = request
+            push = self.push_client
+            if push is not None and user not in push.demand_sent:
+                self._new_demand = True
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._forget_freed_requests()
         self.apply_control_plane_updates()
+        self._maybe_report_demand()
         planner = self.output_rate_planner
         if planner.limiter.is_unlimited:
             planner.wakeup_ns = None
@@ -241,11 +249,32 @@ class OutputRateMixin:
         # WAKEUP: a limit update that woke it is applied (and acknowledged)
         # now, not when the next request arrives.
         self.apply_control_plane_updates()
-        return super().has_requests()  # type: ignore[misc]
+        if super().has_requests():  # type: ignore[misc]
+            return True
+        # Idle: no schedule() reports the demand that ended with the last request, and a
+        # share left here would sit unused while the user's other engines need it.
+        push = self.push_client
+        if push is not None and push.demand_sent:
+            push.report_demand({})
+        return False
 
     def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
-            self.push_client.apply_pending(self.output_rate_limiter)
+            self.push_client.apply_pending(self.output_rate_limiter, self.output_rate_clock_ns())
+
+    def _maybe_report_demand(self) -> None:
+        """Tell the control plane this engine's streams per fleet-limited user."""
+        push = self.push_client
+        if push is None:
+            return
+        now = self.output_rate_clock_ns()
+        if not (self._new_demand or push.demand_due or now >= self._next_demand_report_ns):
+            return
+        self._next_demand_report_ns = now + DEMAND_REPORT_INTERVAL_NS
+        self._new_demand = False
+        is_fleet_limited = push.table.is_fleet_limited
+        streams = Counter(self.output_rate_users.values())
+        push.report_demand({user: n for user, n in streams.items() if is_fleet_limited(user)})
 
     def _maybe_report_usage(self) -> None:
         metrics = self.output_rate_metrics
@@ -290,6 +319,9 @@ class OutputRateMixin:
             config_version=None if push is None else push.applied_version,
             connected=None if push is None else push.is_in_sync,
             tier_of=self._tier_of(),
+            fleet_size=None if push is None else push.table.num_engines,
+            num_shares=None if push is None else len(push.table.fleet.shares),
+            shares_leased=None if push is None else push.table.fleet.lease_expires_ns is not None,
         )
 
     def _tier_of(self) -> Callable[[str], str | None]:

@@ -2,8 +2,10 @@
 
 Each check names the option that enabled the mode, so the operator knows what
 to remove. The reasons (from the seed design): one token charged per request
-per step breaks with speculative decoding; every data-parallel rank would have
-its own limiter; pipeline parallelism, non-standard attention models and
+per step breaks with speculative decoding; every data-parallel rank has its own
+scheduler, so without a control plane each rank would be a budget of its own (with
+one, every rank is a member of the fleet and fleet limits are shared,
+docs/fleet.md); pipeline parallelism, non-standard attention models and
 KV/EC connectors change scheduling or KV lifetimes in ways the skip, preempt
 and refund logic was not built for.
 """
@@ -17,7 +19,9 @@ class OutputRateConfigError(ValueError):
     """A vLLM configuration that per-user output-rate limiting rejects."""
 
 
-def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
+def _problems(
+    vllm_config: Any, *, user_scheduler_cls: object, has_control_plane: bool
+) -> list[str]:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -29,8 +33,9 @@ def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
             "speculative decoding (--speculative-config) samples several tokens per step",
         ),
         (
-            parallel.data_parallel_size > 1,
-            "--data-parallel-size > 1 gives every rank its own budget",
+            parallel.data_parallel_size > 1 and not has_control_plane,
+            "--data-parallel-size > 1 without --control-plane-endpoint (every rank would "
+            "enforce its own budget; with a control plane the ranks share fleet limits)",
         ),
         (
             parallel.pipeline_parallel_size > 1,
@@ -58,9 +63,13 @@ def _problems(vllm_config: Any, *, user_scheduler_cls: object) -> list[str]:
     return [message for failed, message in checks if failed]
 
 
-def verify_config(vllm_config: Any, *, user_scheduler_cls: object = None) -> None:
+def verify_config(
+    vllm_config: Any, *, user_scheduler_cls: object = None, has_control_plane: bool = False
+) -> None:
     """Raise ``OutputRateConfigError`` naming the first unsupported option."""
-    problems = _problems(vllm_config, user_scheduler_cls=user_scheduler_cls)
+    problems = _problems(
+        vllm_config, user_scheduler_cls=user_scheduler_cls, has_control_plane=has_control_plane
+    )
     if problems:
         raise OutputRateConfigError(
             "per-user output-rate limiting (--default-user-output-tokens-per-second, "

@@ -19,7 +19,8 @@ What the product depends on, by module:
   ``OpenAIServingChat.create_chat_completion`` answer beam search with a 400.
 - engine_core.py (rows of ``PATCHES``): ``EngineCoreProc.run_busy_loop`` and
   ``_process_engine_step``; through the functions below, ``input_queue`` and
-  ``_handle_client_request``: the idle wait on the input queue.
+  ``_handle_client_request``: the idle wait on the input queue; ``engine_index``
+  (the data-parallel rank, which names the rank's fleet member).
 - worker_spin.py (a row of ``PATCHES``): ``WorkerProc.worker_busy_loop``;
   ``worker.execute_model``; through ``worker_input_reader`` below, the
   ``SpinCondition`` of ``rpc_broadcast_mq`` (``is_reader``, ``busy_loop_s``,
@@ -266,6 +267,11 @@ def preempt_request(scheduler: Any, request: Any, timestamp: float) -> None:
 def engine_input_queue(engine: Any) -> Any:
     """``EngineCoreProc.input_queue``: a ``queue.Queue`` of (request type, payload)."""
     return engine.input_queue
+
+
+def engine_index(engine: Any) -> int:
+    """``EngineCoreProc.engine_index``: the data-parallel rank of this engine core."""
+    return int(getattr(engine, "engine_index", 0))
 
 
 def handle_engine_input(engine: Any, item: tuple[Any, Any]) -> None:

@@ -135,9 +135,29 @@ class UserIndexedQueue(RequestQueue):
         return self._num_requests
 
     def __iter__(self) -> Iterator[Request]:
+        return iter(self._in_order())
+
+    # What code outside the plugin may do with upstream's FCFS queue (a ``deque``):
+    # index it, slice it, reverse it, test membership. O(n log n) each; the
+    # scheduler's own path never calls these.
+
+    def __getitem__(self, index: int | slice) -> Request | list[Request]:
+        return self._in_order()[index]
+
+    def __reversed__(self) -> Iterator[Request]:
+        return reversed(self._in_order())
+
+    def __contains__(self, request: object) -> bool:
+        try:
+            queue = self._by_user.get(self._user_of(request))  # type: ignore[arg-type]
+        except KeyError:  # a request the scheduler does not hold
+            return False
+        return queue is not None and any(r is request for _, r in queue)
+
+    def _in_order(self) -> list[Request]:
         entries = [e for queue in self._by_user.values() for e in queue]
         entries.sort(key=lambda e: e[0])
-        return iter([request for _, request in entries])
+        return [request for _, request in entries]
 
     # ---- internals ------------------------------------------------------
 

@@ -17,7 +17,7 @@ server or a reconnect make the engine ask for a fresh snapshot (RESYNC).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -47,11 +47,28 @@ ACK = 4
 HEARTBEAT = 5
 USAGE = 6
 RESYNC = 7
+DEMAND = 8
+SHARES = 9
+SHARE_ACK = 10
+
+# Fleet shares (docs/fleet.md) are in milli-tokens/s, so that an engine with demand
+# always holds a share (>= 1) and shares sum exactly to a limit.
+MILLI = 1000
+# Largest share: a whole limit.
+MAX_SHARE = MAX_RATE * MILLI
+# An engine reports at most this many users' demand in one message.
+MAX_DEMAND_USERS = MAX_USAGE_USERS
+MAX_LEASE_MS = 3_600_000
 
 Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
+Scope = Literal["fleet", "engine"]
+# milli-tokens/s; 0: no share (the engine holds none for that user).
+Share = Annotated[int, msgspec.Meta(ge=0, le=MAX_SHARE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Seq = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
 # What engines send is checked against the shared id rules (output_rate_core/ids.py); what
 # the server sends came from the database, which the REST API already checked.
 EngineId = Annotated[
@@ -72,6 +89,8 @@ class SetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
     user: Name
     tier: Name | None = None
     rate: Rate = None
+    # None: inherit (the tier's, else the default's).
+    scope: Scope | None = None
 
 
 class DeleteUser(msgspec.Struct, frozen=True, tag_field="op", tag="delete_user"):
@@ -81,6 +100,7 @@ class DeleteUser(msgspec.Struct, frozen=True, tag_field="op", tag="delete_user")
 class SetTier(msgspec.Struct, frozen=True, tag_field="op", tag="set_tier"):
     name: Name
     rate: Rate = None
+    scope: Scope | None = None
 
 
 class DeleteTier(msgspec.Struct, frozen=True, tag_field="op", tag="delete_tier"):
@@ -89,6 +109,8 @@ class DeleteTier(msgspec.Struct, frozen=True, tag_field="op", tag="delete_tier")
 
 class SetDefault(msgspec.Struct, frozen=True, tag_field="op", tag="set_default"):
     rate: Rate = None
+    # None: "fleet".
+    scope: Scope | None = None
 
 
 Op = SetUser | DeleteUser | SetTier | DeleteTier | SetDefault
@@ -109,6 +131,12 @@ class Snapshot(msgspec.Struct, frozen=True):
     tiers: dict[Name, Rate]
     # user -> (tier, override rate)
     users: dict[Name, tuple[Name | None, Rate]]
+    default_scope: Scope | None = None
+    # tier / user -> its own scope (absent: inherit)
+    tier_scopes: dict[Name, Scope] = {}
+    user_scopes: dict[Name, Scope] = {}
+    # Live engines in the fleet (the engine's safe share divides fleet limits by it).
+    num_engines: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class Delta(msgspec.Struct, frozen=True):
@@ -143,7 +171,41 @@ class Resync(msgspec.Struct, frozen=True):
     version: Version
 
 
-Message = Hello | Snapshot | Delta | Ack | Heartbeat | Usage | Resync
+# ---- fleet shares (docs/fleet.md) ----------------------------------------------
+
+
+class Demand(msgspec.Struct, frozen=True):
+    """Engine -> control plane: streams (running + waiting requests) per fleet-limited
+    user. ``full``: every user with demand (the rest have none); else only changes,
+    with 0 for a user whose demand ended."""
+
+    engine_id: EngineId
+    full: bool
+    streams: dict[UserId, Count]
+
+
+class Shares(msgspec.Struct, frozen=True):
+    """Control plane -> engine: this engine's shares. ``seq`` counts up by one per
+    message within an ``epoch`` (one allocator's lifetime); ``full`` replaces every
+    share, else only the users named change (0: none). Every message renews the lease
+    of all the engine's shares for ``lease_ms``."""
+
+    epoch: Epoch
+    seq: Seq
+    lease_ms: Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASE_MS)]
+    num_engines: Annotated[int, msgspec.Meta(ge=1)]
+    full: bool
+    # user -> share
+    shares: dict[Name, Share]
+
+
+class ShareAck(msgspec.Struct, frozen=True):
+    engine_id: EngineId
+    epoch: Epoch
+    seq: Seq
+
+
+Message = Hello | Snapshot | Delta | Ack | Heartbeat | Usage | Resync | Demand | Shares | ShareAck
 
 TYPES: dict[int, type[Message]] = {
     HELLO: Hello,
@@ -153,6 +215,9 @@ TYPES: dict[int, type[Message]] = {
     HEARTBEAT: Heartbeat,
     USAGE: Usage,
     RESYNC: Resync,
+    DEMAND: Demand,
+    SHARES: Shares,
+    SHARE_ACK: ShareAck,
 }
 TYPE_OF: dict[type[Message], int] = {cls: code for code, cls in TYPES.items()}
 
@@ -180,6 +245,8 @@ def decode(frame: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         raise ProtocolError(f"{TYPES[frame[0]].__name__}: {e}") from None
     if isinstance(message, Usage):
         check_usage_bounds(message)
+    elif isinstance(message, Demand) and len(message.streams) > MAX_DEMAND_USERS:
+        raise ProtocolError(f"demand report names over {MAX_DEMAND_USERS} users")
     elif isinstance(message, Heartbeat) and message.engine_id:
         try:
             ids.check_engine_id(message.engine_id)

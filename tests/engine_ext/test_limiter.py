@@ -33,7 +33,7 @@ def greedy_run(
     return granted
 
 
-def assert_window_bound(times: list[int], rate: int, *, max_window_s: float) -> None:
+def assert_window_bound(times: list[int], rate: float, *, max_window_s: float) -> None:
     """In any window [t_i, t_j] at most (W + 0.1) * rate + 1 tokens."""
     for i in range(len(times)):
         for j in range(i, len(times)):
@@ -228,3 +228,24 @@ def test_take_many_is_n_try_takes_at_one_instant(burst_ns: int) -> None:
         dt = rng.choice([0, 1, 5, 40, 300]) * MS
         clock_a.now += dt
         clock_b.now += dt
+
+
+@pytest.mark.parametrize("milli", [500, 2_500, 33_333])
+def test_a_fractional_share_holds_the_window_bound_and_its_long_run_rate(milli: int) -> None:
+    # Fleet shares are milli-tokens/s: 0.5, 2.5 and 33.333 tokens/s here.
+    clock = Clock()
+    limiter = OutputRateLimiter(None, clock_ns=clock)
+    limiter.set_milli_rate("u", milli)
+    times = greedy_run(limiter, clock, "u", duration_s=60, seed=milli)
+    rate = milli / 1000
+    assert_window_bound(times, rate, max_window_s=20)
+    assert len(times) <= 60 * rate + 0.1 * rate + 1
+    assert len(times) >= 60 * rate - 1 - rate  # the greedy user is held at its share, not below
+    assert limiter.rate_of("u") == rate
+
+
+def test_bad_milli_rates_raise() -> None:
+    limiter = OutputRateLimiter(None)
+    for bad in (0, -1, 1.5, True, 10**12):
+        with pytest.raises(ValueError):
+            limiter.set_milli_rate("u", bad)  # type: ignore[arg-type]

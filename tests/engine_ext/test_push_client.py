@@ -285,11 +285,60 @@ def test_wrong_server_key_reads_nothing() -> None:
 
 
 def test_limit_table_flattens_like_the_control_plane() -> None:
-    table = LimitTable()
+    table = LimitTable.from_snapshot(SNAP)
     limiter = OutputRateLimiter(None)
-    table.load(SNAP, limiter)
-    assert table.effective_user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
-    assert table.members == {"free": {"a", "b"}, "pro": {"d"}}
+    table.load(limiter)
+    assert table.user_millis() == {"a": 20_000, "b": 7_000, "c": 9_000, "d": None}
+    assert table.model.members == {"free": {"a", "b"}, "pro": {"d"}}
     table.apply(p.SetUser("a", "pro", None), limiter)
-    assert table.members == {"free": {"b"}, "pro": {"a", "d"}}
+    assert table.model.members == {"free": {"b"}, "pro": {"a", "d"}}
     assert limiter.rate_of("a") is None
+
+
+# ---- fleet shares (docs/fleet.md) ----------------------------------------------
+
+FLEET_SNAP = p.Snapshot(
+    version=5, default_rate=None, tiers={}, users={"a": (None, 40), "b": (None, 10)}, num_engines=2
+)
+
+
+def test_demand_goes_whole_after_a_snapshot_then_as_changes(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    connect(server, engine, FLEET_SNAP)
+    assert engine.client.demand_due
+    engine.client.report_demand({"a": 2})
+    _, demand = server.recv(p.Demand)
+    assert demand == p.Demand("e1", True, {"a": 2})
+    assert not engine.client.demand_due
+    engine.client.report_demand({"a": 2, "b": 1})
+    assert server.recv(p.Demand)[1] == p.Demand("e1", False, {"b": 1})
+    engine.client.report_demand({"a": 2, "b": 1})  # nothing changed: nothing sent
+    engine.client.report_demand({"b": 3})
+    assert server.recv(p.Demand)[1] == p.Demand("e1", False, {"b": 3, "a": 0})
+
+
+def test_shares_are_applied_acknowledged_and_a_gap_asks_for_the_whole_table(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine, FLEET_SNAP)
+    assert engine.limiter.milli_rate_of("a") == 20_000  # safe: 40 tok/s over 2 engines
+    engine.client.report_demand({"a": 1})
+    server.recv(p.Demand)
+    server.send(identity, p.Shares(3, 1, 5_000, 2, True, {"a": 35_000}))
+    engine.until(lambda: engine.limiter.milli_rate_of("a") == 35_000)
+    assert server.recv(p.ShareAck)[1] == p.ShareAck("e1", 3, 1)
+    server.send(identity, p.Shares(3, 3, 5_000, 2, False, {"a": 1_000}))  # seq 2 was lost
+    engine.until(lambda: engine.client.demand_due)
+    assert engine.limiter.milli_rate_of("a") == 35_000
+    engine.client.report_demand({"a": 1})
+    assert server.recv(p.Demand)[1] == p.Demand("e1", True, {"a": 1})
+
+
+def test_shares_fall_back_to_the_safe_share_when_the_lease_ends(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine, FLEET_SNAP)
+    server.send(identity, p.Shares(3, 1, 300, 2, True, {"a": 35_000}))
+    engine.until(lambda: engine.limiter.milli_rate_of("a") == 35_000)
+    engine.until(lambda: engine.limiter.milli_rate_of("a") == 20_000, timeout_s=3)

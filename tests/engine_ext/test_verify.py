@@ -20,6 +20,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from engine_ext.config import OutputRateConfig
 from engine_ext.plugin import register
 from engine_ext.verify import OutputRateConfigError, verify_config
 from harness.scheduler import TINY_MODEL
@@ -114,3 +115,20 @@ def test_one_message_names_the_first_problem_only() -> None:
         verify_config(config, user_scheduler_cls="my.Scheduler")
     assert "multimodal" in str(failure.value)
     assert "--scheduler-cls" not in str(failure.value)
+
+
+def test_data_parallel_needs_a_control_plane_and_then_names_each_rank() -> None:
+    with pytest.raises(OutputRateConfigError) as failure:
+        engine_config(*LIMIT, "--data-parallel-size", "2")
+    assert "--data-parallel-size > 1 without --control-plane-endpoint" in str(failure.value)
+    endpoint = ["--control-plane-endpoint", "tcp://127.0.0.1:5557"]
+    config = engine_config(
+        *endpoint, "--output-rate-engine-id", "gpu-a", "--data-parallel-size", "2"
+    )
+    rate_config = OutputRateConfig.from_vllm_config(config)
+    assert rate_config.data_parallel_size == 2
+    assert [rate_config.engine_id_of_rank(r) for r in (0, 1)] == ["gpu-a-dp0", "gpu-a-dp1"]
+    single = OutputRateConfig.from_vllm_config(
+        engine_config(*endpoint, "--output-rate-engine-id", "gpu-a")
+    )
+    assert single.engine_id_of_rank(0) == "gpu-a"

@@ -133,3 +133,22 @@ def test_remove_of_a_request_not_queued_raises_like_upstream() -> None:
         queue.remove_request(make_request("a"))
     queue.remove_requests([make_request("b")])  # upstream ignores these
     assert len(queue) == 1
+
+
+def test_indexing_slicing_reversing_and_membership_work_as_on_upstreams_deque() -> None:
+    # Upstream's FCFS queue is a deque; code outside the plugin may index it.
+    rng = random.Random(3)
+    ours = UserIndexedQueue(SchedulingPolicy.FCFS, user_of)
+    theirs = create_request_queue(SchedulingPolicy.FCFS)
+    outsider = make_request("a")
+    for i in range(30):
+        request = make_queued(rng.choice("abc"), rng)
+        for queue in (ours, theirs):
+            (queue.prepend_request if i % 4 == 0 else queue.add_request)(request)
+    assert ours[0] is theirs[0] and ours[-1] is theirs[-1] and ours[7] is theirs[7]
+    assert ours[2:9] == list(theirs)[2:9]
+    assert list(reversed(ours)) == list(reversed(theirs))
+    assert all(request in ours for request in theirs)
+    assert outsider not in ours
+    with pytest.raises(IndexError):
+        ours[30]

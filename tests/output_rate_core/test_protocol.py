@@ -45,11 +45,11 @@ def test_every_message_round_trips(message: p.Message) -> None:
 
 def test_ops_are_tagged_as_in_the_change_log() -> None:
     rows: list[dict[str, object]] = [
-        {"op": "set_user", "user": "a", "tier": "free", "rate": None},
+        {"op": "set_user", "user": "a", "tier": "free", "rate": None, "scope": None},
         {"op": "delete_user", "user": "a"},
-        {"op": "set_tier", "name": "free", "rate": 3},
+        {"op": "set_tier", "name": "free", "rate": 3, "scope": "engine"},
         {"op": "delete_tier", "name": "free"},
-        {"op": "set_default", "rate": None},
+        {"op": "set_default", "rate": None, "scope": "fleet"},
     ]
     ops = p.ops_from_rows(rows)
     assert [type(op) for op in ops] == [
@@ -61,6 +61,10 @@ def test_ops_are_tagged_as_in_the_change_log() -> None:
     ]
     # The server sends typed ops; their encoding is exactly the stored rows.
     assert msgspec.json.decode(msgspec.json.encode(ops)) == rows
+    # Rows written before scopes existed read as "inherit".
+    assert p.ops_from_rows([{"op": "set_user", "user": "a", "tier": None, "rate": 5}]) == [
+        p.SetUser("a", None, 5, None)
+    ]
 
 
 def _frame(kind: int, payload: object) -> bytes:

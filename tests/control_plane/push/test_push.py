@@ -45,7 +45,7 @@ def write(db: Database, server: PushServer | None, fn: Callable, **kw) -> None:
 def expected(db: Database) -> tuple[int, int | None, dict[str, int | None]]:
     snap = db.read_now(limits.load_snapshot)
     limiter = OutputRateLimiter(None)
-    LimitTable().load(snap, limiter)
+    LimitTable.from_snapshot(snap).load(limiter)
     return snap.version, limiter.default_rate, limiter.user_rates()
 
 

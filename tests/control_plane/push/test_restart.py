@@ -103,7 +103,7 @@ class ControlPlane:
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)
-        LimitTable().load(snap, limiter)
+        LimitTable.from_snapshot(snap).load(limiter)
         return snap.version, limiter.default_rate, limiter.user_rates()
 
     def write_while_down(self) -> None:

@@ -1,0 +1,480 @@
+"""The fleet share allocator: splits each fleet-scoped user's limit into per-engine shares.
+
+Pure Python: imports nothing but the standard library and ``output_rate_core``, and reads time
+only through the injected ``clock``, so tests drive it with a fake one.
+
+A share is an integer in milli-tokens/s. For every fleet user the allocator keeps, per engine,
+what it sent and what the engine acknowledged, and accounts the engine as *holding* the largest
+value it may be enforcing right now (see ``_held``). It sends a lowering at once and a raise only
+up to the headroom ``1000 x L - sum(held)``, so the sum of what engines may enforce never exceeds
+the limit because of anything the allocator sent. docs/fleet.md states the bound and its slack.
+
+What an engine must do with the ``ShareUpdate`` messages (the allocator's accounting relies on it):
+
+- apply a message only if its ``seq`` is one more than the last it applied, or if it is ``full``
+  with a larger ``seq``; anything else means a message was lost: drop it and ask for a full update
+  (the caller answers with ``full_update``). Ack every ``seq`` it applied.
+- ``full``: the shares replace all it holds; otherwise each listed user is set, ``0`` removes it.
+- enforce its shares until ``lease_s`` after the message arrived; after that, and for a fleet
+  user it serves but holds no share for, enforce ``safe_share(1000 x L, num_engines)``. A lapsed
+  engine keeps its shares: the next message renews them.
+- report its active streams per fleet user (``set_demand``): a user appearing at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from output_rate_core.limits import safe_share
+from output_rate_core.protocol import MILLI
+from output_rate_core.rates import validate_rate
+
+DEFAULT_LEASE_S = 10.0
+
+
+def split(budget: int, streams: Mapping[str, int]) -> dict[str, int]:
+    """``budget`` split over engines in proportion to their streams (all > 0), largest remainder
+    first (ties by engine id); the parts sum to ``budget`` exactly and each is at least 1. With
+    less than 1 per engine to give, each gets exactly 1."""
+    if budget <= len(streams):
+        return dict.fromkeys(streams, 1)
+    total = sum(streams.values())
+    # engine -> its part
+    parts: dict[str, int] = {}
+    by_remainder: list[tuple[int, str]] = []
+    for engine_id, num_streams in streams.items():
+        quota, remainder = divmod(budget * num_streams, total)
+        parts[engine_id] = quota
+        by_remainder.append((-remainder, engine_id))
+    by_remainder.sort()
+    for _, engine_id in by_remainder[: budget - sum(parts.values())]:
+        parts[engine_id] += 1
+    # One stream next to a crowd can round down to 0; an engine that serves the user must
+    # never sit at zero, so it takes 1 from the largest part (which has >= 2, as budget > n).
+    for engine_id, part in parts.items():
+        if part == 0:
+            largest = max(parts, key=parts.__getitem__)
+            parts[largest] -= 1
+            parts[engine_id] = 1
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class ShareUpdate:
+    """One message to one engine; with no shares it is a lease renewal."""
+
+    seq: int
+    # Engines in the fleet, for the engine's safe share.
+    num_engines: int
+    # How long after this message arrives the engine may enforce its shares.
+    lease_s: float
+    # True: ``shares`` is all the engine holds (users not listed: no share).
+    full: bool
+    # user -> share in milli-tokens/s (0: the engine holds no share for that user any more)
+    shares: dict[str, int]
+
+
+class _Cell:
+    """One (user, engine) pair: the engine's demand and what it may hold."""
+
+    __slots__ = ("acked", "demand", "pending")
+
+    def __init__(self) -> None:
+        self.demand = 0
+        # The value the engine acknowledged last (0: none).
+        self.acked = 0
+        # (seq, value) sent after it, not yet acknowledged; the engine may be enforcing any.
+        self.pending: list[tuple[int, int]] = []
+
+    @property
+    def sent(self) -> int:
+        return self.pending[-1][1] if self.pending else self.acked
+
+    def is_idle(self) -> bool:
+        return self.demand == 0 and self.acked == 0 and not self.pending
+
+
+class _Sent:
+    """A message not yet acknowledged."""
+
+    __slots__ = ("lease_end", "num_engines", "seq", "users")
+
+    def __init__(self, seq: int, num_engines: int, lease_end: float, users: list[str]) -> None:
+        self.seq = seq
+        self.num_engines = num_engines
+        self.lease_end = lease_end
+        self.users = users
+
+
+class _Engine:
+    __slots__ = (
+        "acked_lease_end",
+        "acked_seq",
+        "cells",
+        "expired",
+        "lapsing",
+        "last_heard",
+        "min_num_engines",
+        "needs_full",
+        "seq",
+        "unacked",
+    )
+
+    def __init__(self, now: float) -> None:
+        self.seq = 0
+        self.acked_seq = 0
+        self.last_heard = now
+        # Until this instant (allocator clock) the engine's lease surely holds: it ends no
+        # earlier than the lease of the latest message it acknowledged.
+        self.acked_lease_end = -math.inf
+        # The smallest fleet size the engine may be using (its largest safe share).
+        self.min_num_engines: int | None = None
+        # Its lease may end within renew_s (as of the last step): a healthy engine acks each
+        # renewal long before that, so it has missed one. From then on it is accounted as on
+        # its safe share, and the other engines are lowered before its lease really ends.
+        self.lapsing = True
+        # Silent for more than the lease: it is sent nothing more.
+        self.expired = False
+        # Its next message must be a full update (it is new to this allocator).
+        self.needs_full = True
+        # Messages sent and not yet acknowledged, oldest first.
+        self.unacked: list[_Sent] = []
+        # user -> cell (the engine -> users index)
+        self.cells: dict[str, _Cell] = {}
+
+
+def _frozen(engine: _Engine) -> bool:
+    """Its shares no longer follow demand (they stay what it may hold): it is silent, or it has
+    acked before and its lease may be ending. A new engine (nothing acked yet) is on its safe
+    shares anyway and gets its first shares with its first (full) update."""
+    return engine.expired or (engine.lapsing and engine.acked_seq > 0)
+
+
+class FleetAllocator:
+    """Per-engine shares of every fleet-scoped user's limit (docs/fleet.md).
+
+    Feed it what engines say (``engine_heard``, ``set_demand``, ``acked``) and the limits
+    (``set_limit``); call ``step`` right after any of them (and at least every ``renew_s``) and
+    send each engine what it returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        lease_s: float = DEFAULT_LEASE_S,
+        gone_after_s: float | None = None,
+        renew_s: float | None = None,
+    ) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self._clock = clock
+        self._lease_s = lease_s
+        self._gone_after_s = 3 * lease_s if gone_after_s is None else gone_after_s
+        self._renew_s = lease_s / 3 if renew_s is None else renew_s
+        if self._gone_after_s < lease_s:
+            raise ValueError(f"gone_after_s must be >= lease_s, got {self._gone_after_s}")
+        if not 0 < self._renew_s < lease_s:
+            raise ValueError(f"renew_s must be in (0, lease_s), got {self._renew_s}")
+        # user -> limit in milli-tokens/s (fleet-scoped users only)
+        self._limits: dict[str, int] = {}
+        # engine id -> engine (live or silent, not gone)
+        self._engines: dict[str, _Engine] = {}
+        # user -> engine id -> cell (the user -> engines index; the same cells as _Engine.cells)
+        self._users: dict[str, dict[str, _Cell]] = {}
+        # Users whose shares the next step looks at again.
+        self._dirty: set[str] = set()
+        # Every message carries the same lease end, renewed for the whole fleet at once, so that
+        # with the control plane gone all engines fall back to safe shares at the same moment.
+        now = clock()
+        self._lease_end = now + lease_s
+        self._renewed_at = now
+        self._fleet_changed = False
+
+    # ---- what engines and the database say --------------------------------------------
+
+    def set_limit(self, user: str, rate: int | None) -> None:
+        """The user's limit in tokens/s; None: not split (unlimited, engine scope or deleted)."""
+        rate = validate_rate(rate)
+        if rate is None:
+            if self._limits.pop(user, None) is None:
+                return
+        elif self._limits.get(user) == rate * MILLI:
+            return
+        else:
+            self._limits[user] = rate * MILLI
+        if user in self._users:
+            self._dirty.add(user)
+
+    def engine_heard(self, engine_id: str) -> None:
+        """Any message from the engine: it is alive (an unknown engine joins the fleet)."""
+        self._engine(engine_id)
+
+    def set_demand(self, engine_id: str, streams: Mapping[str, int], *, full: bool) -> None:
+        """Active streams (running + waiting) per fleet user on the engine; 0 = none. ``full``:
+        ``streams`` lists every user it serves (the others have none)."""
+        for user, num_streams in streams.items():
+            if isinstance(num_streams, bool) or not isinstance(num_streams, int):
+                raise TypeError(f"streams of user {user!r} must be an integer")
+            if num_streams < 0:
+                raise ValueError(f"streams of user {user!r} must be >= 0, got {num_streams}")
+        engine = self._engine(engine_id)
+        if full:
+            for user, old in list(engine.cells.items()):
+                if user not in streams:
+                    self._set_cell_demand(engine_id, engine, user, old, 0)
+        for user, num_streams in streams.items():
+            cell = engine.cells.get(user)
+            if cell is None:
+                if num_streams == 0:
+                    continue
+                cell = engine.cells[user] = _Cell()
+                self._users.setdefault(user, {})[engine_id] = cell
+            self._set_cell_demand(engine_id, engine, user, cell, num_streams)
+
+    def acked(self, engine_id: str, seq: int) -> None:
+        """The engine applied every message up to ``seq``; stale or unknown seqs change nothing."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return
+        self._heard(engine)
+        if not engine.acked_seq < seq <= engine.seq:
+            return
+        done = 0
+        while done < len(engine.unacked) and engine.unacked[done].seq <= seq:
+            done += 1
+        settled, engine.unacked = engine.unacked[:done], engine.unacked[done:]
+        last = settled[-1]
+        engine.acked_seq = seq
+        engine.acked_lease_end = last.lease_end
+        engine.min_num_engines = min(
+            [last.num_engines] + [sent.num_engines for sent in engine.unacked]
+        )
+        for user in {user for sent in settled for user in sent.users}:
+            cell = engine.cells.get(user)
+            if cell is None:
+                continue
+            # The engine now holds the value of the last message up to seq that carried it.
+            done = 0
+            while done < len(cell.pending) and cell.pending[done][0] <= seq:
+                done += 1
+            if done:
+                cell.acked = cell.pending[done - 1][1]
+                del cell.pending[:done]
+            self._dirty.add(user)
+            self._drop_if_idle(engine_id, engine, user, cell)
+
+    def remove_engine(self, engine_id: str) -> None:
+        """Forget the engine now (it shut down cleanly); its part goes to the others. A
+        reconnecting engine keeps its id and gets ``full_update`` instead."""
+        engine = self._engines.pop(engine_id, None)
+        if engine is not None:
+            self._forget_cells(engine_id, engine)
+
+    # ---- what to send -----------------------------------------------------------------
+
+    def step(self) -> dict[str, ShareUpdate]:
+        """engine id -> the message to send it now: new shares, a full update for an engine new
+        to this allocator, or a lease renewal (every engine at least every ``renew_s``)."""
+        now = self._clock()
+        self._check_engines(now)
+        renew = self._fleet_changed or now - self._renewed_at >= self._renew_s
+        if renew:
+            self._lease_end = now + self._lease_s
+            self._renewed_at = now
+            self._fleet_changed = False
+        # engine id -> user -> the new share to send it
+        changes: dict[str, dict[str, int]] = {}
+        dirty, self._dirty = self._dirty, set()
+        for user in dirty:
+            self._retarget(user, changes)
+        updates: dict[str, ShareUpdate] = {}
+        for engine_id, engine in self._engines.items():
+            if engine.expired:
+                continue
+            if engine.needs_full:
+                updates[engine_id] = self._send_full(engine, now)
+            elif renew or engine_id in changes:
+                shares = changes.get(engine_id, {})
+                updates[engine_id] = self._send(engine, shares, list(shares), False, now)
+        return updates
+
+    def full_update(self, engine_id: str) -> ShareUpdate:
+        """Everything the engine holds, to send after a reconnect or when it reports a gap."""
+        return self._send_full(self._engine(engine_id), self._clock())
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def shares_of(self, user: str) -> dict[str, int]:
+        """engine id -> the milli-tokens/s it may be enforcing for the user ({} if not split)."""
+        limit = self._limits.get(user)
+        if limit is None:
+            return {}
+        return {
+            engine_id: self._held(cell, self._engines[engine_id], limit)
+            for engine_id, cell in self._users.get(user, {}).items()
+        }
+
+    def num_shared_users(self, engine_id: str) -> int:
+        """Users the engine holds a share for (or was just sent one)."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return 0
+        return sum(1 for user, cell in engine.cells.items() if cell.sent and user in self._limits)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._engines)
+
+    def knows_engine(self, engine_id: str) -> bool:
+        """The engine is live or silent, not gone (a gone one comes back as a new engine)."""
+        return engine_id in self._engines
+
+    def knows_user(self, user: str) -> bool:
+        """Some engine reports demand for the user or may hold a share of it."""
+        return user in self._users
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _engine(self, engine_id: str) -> _Engine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            engine = self._engines[engine_id] = _Engine(self._clock())
+            # Every engine's safe share shrinks: tell all of them at the next step.
+            self._fleet_changed = True
+        else:
+            self._heard(engine)
+        return engine
+
+    def _heard(self, engine: _Engine) -> None:
+        engine.last_heard = self._clock()
+        if engine.expired:
+            engine.expired = False
+            self._dirty.update(engine.cells)
+
+    def _set_cell_demand(
+        self, engine_id: str, engine: _Engine, user: str, cell: _Cell, num_streams: int
+    ) -> None:
+        if cell.demand != num_streams:
+            cell.demand = num_streams
+            self._dirty.add(user)
+            self._drop_if_idle(engine_id, engine, user, cell)
+
+    def _drop_if_idle(self, engine_id: str, engine: _Engine, user: str, cell: _Cell) -> None:
+        if cell.is_idle():
+            del engine.cells[user]
+            by_engine = self._users[user]
+            del by_engine[engine_id]
+            if not by_engine:
+                del self._users[user]
+
+    def _forget_cells(self, engine_id: str, engine: _Engine) -> None:
+        for user in engine.cells:
+            by_engine = self._users[user]
+            del by_engine[engine_id]
+            if by_engine:
+                self._dirty.add(user)
+            else:
+                del self._users[user]
+        self._fleet_changed = True
+
+    def _check_engines(self, now: float) -> None:
+        for engine_id, engine in list(self._engines.items()):
+            silent_s = now - engine.last_heard
+            if silent_s > self._gone_after_s:
+                del self._engines[engine_id]
+                self._forget_cells(engine_id, engine)
+                continue
+            expired = silent_s > self._lease_s
+            lapsing = now >= engine.acked_lease_end - self._renew_s
+            if expired != engine.expired or lapsing != engine.lapsing:
+                engine.expired = expired
+                engine.lapsing = lapsing
+                self._dirty.update(engine.cells)
+
+    def _held(self, cell: _Cell, engine: _Engine, limit: int) -> int:
+        """The largest value the engine may be enforcing for the cell's user: the acknowledged
+        one or any in flight; its safe share where it serves the user with no share (a 0 among
+        those) or its lease may be ending."""
+        lowest = highest = cell.acked
+        for _, value in cell.pending:
+            lowest = min(lowest, value)
+            highest = max(highest, value)
+        if (cell.demand > 0 and lowest == 0) or (
+            engine.lapsing and (cell.demand > 0 or highest > 0)
+        ):
+            num_engines = engine.min_num_engines or len(self._engines)
+            highest = max(highest, safe_share(limit, num_engines))
+        return highest
+
+    def _retarget(self, user: str, changes: dict[str, dict[str, int]]) -> None:
+        cells = self._users.get(user)
+        if cells is None:
+            return
+        limit = self._limits.get(user)
+        # engine id -> (engine, cell), for engines whose shares follow demand
+        live: dict[str, tuple[_Engine, _Cell]] = {}
+        # engine id -> the value it may be enforcing
+        held: dict[str, int] = {}
+        for engine_id, cell in cells.items():
+            engine = self._engines[engine_id]
+            if not _frozen(engine):
+                live[engine_id] = (engine, cell)
+            if limit is not None:
+                held[engine_id] = self._held(cell, engine, limit)
+        if limit is None:
+            # Not split (any more): every engine drops what it holds.
+            for engine_id, (_, cell) in live.items():
+                if cell.sent:
+                    changes.setdefault(engine_id, {})[user] = 0
+            return
+        # A frozen engine keeps what it may hold; the others share the rest.
+        reserved = sum(held[engine_id] for engine_id in cells if engine_id not in live)
+        demand = {engine_id: cell.demand for engine_id, (_, cell) in live.items() if cell.demand}
+        targets = split(limit - reserved, demand) if demand else {}
+        headroom = limit - sum(held.values())
+        # (engine id, target) of the raises, sent only as far as the headroom allows
+        raises: list[tuple[str, int]] = []
+        for engine_id, (_, cell) in live.items():
+            target = targets.get(engine_id, 0)
+            if target == cell.sent:
+                continue
+            if target <= held[engine_id]:
+                changes.setdefault(engine_id, {})[user] = target
+            else:
+                raises.append((engine_id, target))
+        for engine_id, target in raises:
+            if headroom <= 0:
+                break
+            value = min(target, held[engine_id] + headroom)
+            headroom -= value - held[engine_id]
+            changes.setdefault(engine_id, {})[user] = value
+
+    def _send_full(self, engine: _Engine, now: float) -> ShareUpdate:
+        # A full update restates every cell's last sent value, so the pending value of each
+        # (0 where nothing is held) covers whatever the engine held before it.
+        engine.needs_full = False
+        sent = {user: cell.sent for user, cell in engine.cells.items()}
+        return self._send(engine, sent, list(sent), True, now)
+
+    def _send(
+        self, engine: _Engine, shares: dict[str, int], users: list[str], full: bool, now: float
+    ) -> ShareUpdate:
+        engine.seq += 1
+        num_engines = len(self._engines)
+        for user, value in shares.items():
+            engine.cells[user].pending.append((engine.seq, value))
+        engine.unacked.append(_Sent(engine.seq, num_engines, self._lease_end, users))
+        if engine.min_num_engines is None or num_engines < engine.min_num_engines:
+            engine.min_num_engines = num_engines
+        on_wire = {user: value for user, value in shares.items() if value} if full else shares
+        return ShareUpdate(
+            seq=engine.seq,
+            num_engines=num_engines,
+            lease_s=max(0.0, self._lease_end - now),
+            full=full,
+            shares=on_wire,
+        )
