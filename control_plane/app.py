@@ -24,6 +24,7 @@ from control_plane.deps import AppState
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
+from control_plane.fleet.coordinator import FleetCoordinator
 from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
@@ -151,7 +152,10 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     usage reports feed GET /usage, /metrics and the usage history."""
     db = Database(make_engine(settings.database_url))
     book = UsageBook()
-    push = PushServer.from_settings(settings, db=db, usage=book)
+    fleet = FleetCoordinator(
+        lease_s=settings.share_lease_s, gone_after_s=settings.share_gone_after_s
+    )
+    push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet)
     db.on_commit.append(push.notify)
     history = UsageRecorder(db, retention_days=settings.usage_retention_days)
     book.on_report.append(history.add)
@@ -160,6 +164,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         insecure_no_auth=insecure_no_auth,
         db=db,
         usage_source=book,
+        fleet=fleet,
         collectors=[PushCollector(push), UsageCollector(book)],
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.fleet.allocator import DEFAULT_LEASE_S
 from output_rate_core.protocol import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("control_plane")
@@ -49,6 +50,11 @@ class Settings(BaseSettings):
     engine_timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S
     # Seconds after its last heartbeat an engine is dropped from GET /engines.
     engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S
+    # Fleet shares (docs/fleet.md): an engine that hears no renewal for the lease falls
+    # back to its safe share; an engine silent for gone_after (default 3 x lease) is
+    # dropped from the fleet and its part goes to the others.
+    share_lease_s: float = Field(default=DEFAULT_LEASE_S, ge=1.0, le=3600.0)
+    share_gone_after_s: float | None = Field(default=None, le=86_400.0)
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
 
@@ -134,6 +140,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{variable('zmq_client_keys')} needs {variable('zmq_secret_key')}: without "
                 "CURVE no engine key is checked"
+            )
+        if self.share_gone_after_s is not None and self.share_gone_after_s < self.share_lease_s:
+            raise ValueError(
+                f"{variable('share_gone_after_s')} must be at least "
+                f"{variable('share_lease_s')} ({self.share_lease_s})"
             )
         if not self.engine_retention_s >= self.engine_timeout_s:
             raise ValueError(

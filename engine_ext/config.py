@@ -15,6 +15,8 @@ from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_US
 from output_rate_core.rates import validate_rate
 
 CONFIG_KEY = "output_rate"
+# How long startup waits for the first snapshot before serving with the flags' limits.
+DEFAULT_SNAPSHOT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class OutputRateConfig:
     control_plane_public_key: str | None = None
     # How long startup waits for the first snapshot before serving with the
     # flags' limits (seconds).
-    snapshot_timeout_s: float = 10.0
+    snapshot_timeout_s: float = DEFAULT_SNAPSHOT_TIMEOUT_S
     # Engine metrics (docs/metrics.md): users with a series of their own, and how
     # long a user stays idle before its series goes.
     metrics_max_users: int = DEFAULT_MAX_USERS

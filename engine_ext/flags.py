@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from engine_ext.config import OutputRateConfig
+from engine_ext.config import DEFAULT_SNAPSHOT_TIMEOUT_S, OutputRateConfig
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
 from output_rate_core.ids import check_engine_id, check_user_id
 from output_rate_core.rates import MAX_RATE, validate_rate
@@ -143,7 +143,7 @@ def add_flags(parser: Any) -> None:
     group.add_argument(
         FLAGS["control_plane_snapshot_timeout"],
         type=float,
-        default=10.0,
+        default=DEFAULT_SNAPSHOT_TIMEOUT_S,
         help="Seconds to wait at startup for the control plane's limits before serving "
         "with the limits given on the command line.",
     )
@@ -179,7 +179,9 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         control_plane_endpoint=getattr(args, "control_plane_endpoint", None),
         engine_id=engine_id,
         control_plane_public_key=getattr(args, "control_plane_public_key", None),
-        snapshot_timeout_s=getattr(args, "control_plane_snapshot_timeout", 10.0),
+        snapshot_timeout_s=getattr(
+            args, "control_plane_snapshot_timeout", DEFAULT_SNAPSHOT_TIMEOUT_S
+        ),
         metrics_max_users=getattr(args, "output_rate_metrics_users", DEFAULT_MAX_USERS),
         metrics_idle_s=getattr(args, "output_rate_metrics_idle_seconds", DEFAULT_IDLE_S),
     )

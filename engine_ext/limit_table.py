@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 
 from engine_ext.limiter import OutputRateLimiter
 from output_rate_core import protocol as p
-from output_rate_core.limits import DEFAULT, ENGINE, EVERYONE, Effective, LimitModel
-
-
-def safe_share(rate: int, num_engines: int) -> int:
-    """A fleet limit's share that needs no word from the control plane (milli-tokens/s)."""
-    return max(1, rate * p.MILLI // max(1, num_engines))
+from output_rate_core.limits import (
+    DEFAULT,
+    ENGINE,
+    EVERYONE,
+    Effective,
+    LimitModel,
+    safe_share,
+)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class LimitTable:
             return None
         if self.model.effective_default_scope == ENGINE:
             return rate * p.MILLI
-        return safe_share(rate, self.num_engines)
+        return safe_share(rate * p.MILLI, self.num_engines)
 
     def _milli(self, user: str, effective: Effective) -> tuple[bool, int | None]:
         """(whether the user needs an entry of its own, its rate in milli-tokens/s)."""
@@ -80,7 +82,7 @@ class LimitTable:
         share = self.fleet.shares.get(user)
         if share is not None:
             return True, share
-        return own, safe_share(rate, self.num_engines)
+        return own, safe_share(rate * p.MILLI, self.num_engines)
 
     def user_millis(self) -> dict[str, int | None]:
         """Every user's own limiter entry (users without one get the default)."""

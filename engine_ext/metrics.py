@@ -81,6 +81,10 @@ class SchedulerFigures:
     config_version: int | None
     connected: bool | None
     tier_of: Callable[[str], str | None]
+    # Fleet shares (docs/fleet.md); None without a control plane.
+    fleet_size: int | None = None
+    num_shares: int | None = None
+    shares_leased: bool | None = None
 
 
 # ---- the snapshot that crosses from the engine-core process to the API server ----
@@ -115,6 +119,9 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     connected: bool | None
     # tier name -> its users' token intervals
     intervals: dict[str, TierIntervals]
+    fleet_size: int | None = None
+    num_shares: int | None = None
+    shares_leased: bool | None = None
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -301,6 +308,9 @@ class EngineMetrics:
             num_reclaimed_tokens=figures.num_reclaimed_tokens,
             config_version=figures.config_version,
             connected=figures.connected,
+            fleet_size=figures.fleet_size,
+            num_shares=figures.num_shares,
+            shares_leased=figures.shares_leased,
             intervals={
                 tier: TierIntervals(list(h.counts), h.sum) for tier, h in self.intervals.items()
             },
@@ -376,6 +386,23 @@ class OutputRateCollector(Collector):
             "1 while in sync with the control plane, 0 while it is silent or resyncing",
             labels=base,
         )
+        fleet_size = GaugeMetricFamily(
+            "vllm:output_rate_fleet_engines",
+            "Engines in the fleet as the control plane last said (fleet limits without a "
+            "share are split by it)",
+            labels=base,
+        )
+        num_shares = GaugeMetricFamily(
+            "vllm:output_rate_fleet_shares",
+            "Users this engine holds a fleet share for (each user's share is its "
+            "vllm:output_rate_user_limit_tokens_per_second)",
+            labels=base,
+        )
+        leased = GaugeMetricFamily(
+            "vllm:output_rate_fleet_lease_valid",
+            "1 while the fleet shares' lease holds, 0 once it ran out (safe shares apply)",
+            labels=base,
+        )
         intervals = HistogramMetricFamily(
             "vllm:output_rate_token_interval_seconds",
             "Engine-side time between consecutive tokens of a throttled user, per tier",
@@ -404,6 +431,10 @@ class OutputRateCollector(Collector):
             if snapshot.config_version is not None:
                 version.add_metric(labels, snapshot.config_version)
                 connected.add_metric(labels, 1 if snapshot.connected else 0)
+            if snapshot.fleet_size is not None:
+                fleet_size.add_metric(labels, snapshot.fleet_size)
+                num_shares.add_metric(labels, snapshot.num_shares or 0)
+                leased.add_metric(labels, 1 if snapshot.shares_leased else 0)
             for tier, tier_intervals in snapshot.intervals.items():
                 buckets, running = [], 0
                 bounds = (*INTERVAL_BUCKETS, float("inf"))
@@ -413,6 +444,7 @@ class OutputRateCollector(Collector):
                 intervals.add_metric([*labels, tier], buckets, tier_intervals.sum_s)
         yield from (granted, throttled, limit, default, tracked, resident)
         yield from (reclaims, reclaimed, version, connected, intervals)
+        yield from (fleet_size, num_shares, leased)
 
 
 def _le(bound: float) -> str:

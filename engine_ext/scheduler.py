@@ -249,7 +249,14 @@ class OutputRateMixin:
         # WAKEUP: a limit update that woke it is applied (and acknowledged)
         # now, not when the next request arrives.
         self.apply_control_plane_updates()
-        return super().has_requests()  # type: ignore[misc]
+        if super().has_requests():  # type: ignore[misc]
+            return True
+        # Idle: no schedule() reports the demand that ended with the last request, and a
+        # share left here would sit unused while the user's other engines need it.
+        push = self.push_client
+        if push is not None and push.demand_sent:
+            push.report_demand({})
+        return False
 
     def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
@@ -312,6 +319,9 @@ class OutputRateMixin:
             config_version=None if push is None else push.applied_version,
             connected=None if push is None else push.is_in_sync,
             tier_of=self._tier_of(),
+            fleet_size=None if push is None else push.table.num_engines,
+            num_shares=None if push is None else len(push.table.fleet.shares),
+            shares_leased=None if push is None else push.table.fleet.lease_expires_ns is not None,
         )
 
     def _tier_of(self) -> Callable[[str], str | None]:

@@ -151,7 +151,14 @@ class ControlPlane(Process):
 
     TOKEN = "e2e-admin-token"
 
-    def __init__(self, log_path: Path, db_url: str, port: int, zmq_port: int) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        db_url: str,
+        port: int,
+        zmq_port: int,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
         self.db_url = db_url
@@ -161,6 +168,7 @@ class ControlPlane(Process):
             "OUTPUT_RATE_ADMIN_TOKEN": self.TOKEN,
             "OUTPUT_RATE_PORT": str(port),
             "OUTPUT_RATE_ZMQ_ENDPOINT": self.zmq_endpoint,
+            **(extra_env or {}),
         }
         super().__init__([sys.executable, "-m", "control_plane.cli", "serve"], log_path, env)
 

@@ -10,6 +10,10 @@ expressions that pydantic, msgspec and ``re`` all accept.
 - Engine ids: 1-256 characters of letters, digits and ``. _ - : @ [ ]`` (host names,
   ``host:port``, ``[::1]:8000``, pod names): addressable as ``/engines/{id}`` and
   writable in an allow-list (OUTPUT_RATE_ZMQ_CLIENT_KEYS ``KEY=id1|id2``).
+- Neither is ``.`` or ``..``: every URL client removes such a path segment (RFC 3986
+  dot segments), so no browser could open, edit or delete it. The patterns say it
+  without lookarounds (pydantic's regex engine has none): an id holds a character that
+  is not a dot, or is three or more dots.
 - Model names: at most 512 characters, no control characters (``/`` is fine).
 - Tier names: 1-64 characters of letters, digits, ``. _ -``, starting with a letter
   or a digit.
@@ -24,8 +28,12 @@ MAX_ENGINE_ID_LEN = 256
 MAX_MODEL_LEN = 512
 MAX_TIER_NAME_LEN = 64
 
-USER_ID_PATTERN = r"^[^\x00-\x1f\x7f/\ufffd]+$"
-ENGINE_ID_PATTERN = r"^[A-Za-z0-9._:@\[\]-]+$"
+_USER_CHAR = r"[^\x00-\x1f\x7f/\ufffd]"
+_USER_CHAR_NO_DOT = r"[^\x00-\x1f\x7f/\ufffd.]"
+_ENGINE_CHAR = r"[A-Za-z0-9._:@\[\]-]"
+_ENGINE_CHAR_NO_DOT = r"[A-Za-z0-9_:@\[\]-]"
+USER_ID_PATTERN = rf"^(?:{_USER_CHAR}*{_USER_CHAR_NO_DOT}{_USER_CHAR}*|\.{{3,}})$"
+ENGINE_ID_PATTERN = rf"^(?:{_ENGINE_CHAR}*{_ENGINE_CHAR_NO_DOT}{_ENGINE_CHAR}*|\.{{3,}})$"
 MODEL_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 TIER_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_TIER_NAME_LEN - 1}}}$"
 
@@ -44,7 +52,9 @@ def check_user_id(user: object) -> str:
     if len(user) > MAX_USER_ID_LEN:
         raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {_shown(user)}")
     if not _USER_ID.match(user):
-        raise ValueError(f"user id {_shown(user)} contains control characters, '/' or U+FFFD")
+        raise ValueError(
+            f"user id {_shown(user)} contains control characters, '/' or U+FFFD, or is '.' or '..'"
+        )
     return user
 
 
@@ -62,6 +72,7 @@ def check_engine_id(engine_id: object) -> str:
         )
     if not _ENGINE_ID.match(engine_id):
         raise ValueError(
-            f"engine id {_shown(engine_id)} may only contain letters, digits and . _ - : @ [ ]"
+            f"engine id {_shown(engine_id)} may only contain letters, digits and . _ - : @ [ ] "
+            "and may not be '.' or '..'"
         )
     return engine_id

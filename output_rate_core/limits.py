@@ -49,6 +49,13 @@ def effective_scope(
     return default_scope if default_scope is not None else DEFAULT_SCOPE
 
 
+def safe_share(limit_milli: int, num_engines: int) -> int:
+    """What an engine enforces of a fleet limit (milli-tokens/s) when it holds no valid
+    share: its part if the fleet were split evenly, so engines on their own sum to at most
+    the limit (and never 0: a user is never stopped outright)."""
+    return max(1, limit_milli // max(1, num_engines))
+
+
 @dataclass(frozen=True)
 class Effective:
     """What one user is held to."""

@@ -2,7 +2,8 @@
 # The main job: control plane (SQLite) + a vLLM engine on the tiny local model.
 # A tenant with more streams than the engine's resident slots starves a normal
 # user until the operator gives it a limit over REST; the live view shows both
-# users' tokens/s and time to first token. A light load then keeps running
+# users' tokens/s (as the engine granted them and as the client read them) and
+# time to first token. A light load then keeps running
 # (admin UI at http://127.0.0.1:8700/ui/) until Ctrl-C; DEMO_EXIT=1 stops
 # after the showcase.
 set -euo pipefail

@@ -13,8 +13,12 @@ Phases (each ``--phase-seconds`` long):
    something to show, until Ctrl-C.
 
 On a terminal the view redraws in place; otherwise one line per refresh.
-Tokens are counted from the usage block of every chunk (byte-level text
-pieces merge). Example:
+Each user's speed is shown twice: as the engine granted it (the control
+plane's ``GET /usage``, ``output_tokens_per_second_1s``) and as this client
+read it (tokens counted from the usage block of every chunk, since byte-level
+text pieces merge). The client figure lags and bunches when one process reads
+49 streams on a busy machine; the engine figure is what the limit applies to.
+Example:
 
     python scripts/demo_client.py --url http://127.0.0.1:8000 \
         --control-plane http://127.0.0.1:8700 --token demo-admin-token
@@ -37,6 +41,7 @@ import httpx
 SPARK = " ▁▂▃▄▅▆▇█"
 WINDOW_S = 2.0  # tokens/s is measured over this trailing window
 HISTORY = 60  # refreshes kept for the sparkline
+USAGE_POLL_S = 0.5  # how often the engine's per-user rates are read (GET /usage)
 RETRY_PAUSE_S = 0.2  # before a stream cut by a connection error is reopened
 
 
@@ -54,6 +59,9 @@ class UserView:
     pending_since: float | None = None
     # Tokens/s of the last finished request, first token to last.
     last_stream_rate: float | None = None
+    # Tokens/s the engine granted the user over its last 1 s (GET /usage); None
+    # until read, or while the control plane cannot be reached.
+    engine_rate: float | None = None
     history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def rate(self, now: float) -> float:
@@ -122,6 +130,42 @@ async def keep_streaming(
         await asyncio.sleep(pause)
 
 
+async def poll_engine_rates(
+    client: httpx.AsyncClient, control_plane: str, auth: dict[str, str], views: list[UserView]
+) -> None:
+    """Keep each view's ``engine_rate`` current from the control plane's ``GET /usage``.
+
+    A user missing from the answer had no tokens granted in the usage window: 0.
+    """
+    while True:
+        try:
+            response = await client.get(f"{control_plane}/usage", headers=auth)
+        except httpx.TransportError:
+            for view in views:
+                view.engine_rate = None
+        else:
+            response.raise_for_status()
+            # user id -> tokens/s granted over the engines' last 1 s
+            rates = {
+                item["user"]: item["output_tokens_per_second_1s"]
+                for item in response.json()["items"]
+            }
+            for view in views:
+                view.engine_rate = rates.get(view.name, 0.0)
+        await asyncio.sleep(USAGE_POLL_S)
+
+
+def spark_cell(rate: float, peak: float) -> str:
+    # Any tokens at all show as the lowest bar: a limited tenant beside a peak of
+    # hundreds of tok/s would otherwise look idle.
+    level = round(8 * rate / peak)
+    return SPARK[min(8, max(level, 1 if rate > 0 else 0))]
+
+
+def fmt_rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1f}"
+
+
 class Screen:
     def __init__(self, views: list[UserView], header: str) -> None:
         self.views = views
@@ -134,10 +178,11 @@ class Screen:
         now = time.monotonic()
         rates = {v.name: v.rate(now) for v in self.views}
         for v in self.views:
-            v.history.append(rates[v.name])
+            v.history.append(v.engine_rate or 0.0)
         if not self.is_tty:
             cells = "  ".join(
-                f"{v.name}: {rates[v.name]:6.1f} tok/s ttft {self._ttft(v)}"
+                f"{v.name}: engine {fmt_rate(v.engine_rate):>6} tok/s (1 s) "
+                f"client {rates[v.name]:6.1f} tok/s ttft {self._ttft(v)}"
                 + (f" ({v.num_failed} cut)" if v.num_failed else "")
                 for v in self.views
             )
@@ -145,23 +190,28 @@ class Screen:
             return
         lines = [self.header, "", f"\033[1m{self.phase}\033[0m", ""]
         lines.append(
-            f"{'user':8} {'streams':>7} {'tok/s':>8} {'limit':>10} {'1 stream':>9} "
-            f"{'TTFT last':>10} {'TTFT p50':>9} {'done':>6}  tok/s, last {HISTORY} refreshes"
+            f"{'user':8} {'streams':>7} {'engine tok/s (1 s)':>18} {'client tok/s':>12} "
+            f"{'limit':>10} {'1 stream':>9} {'TTFT last':>10} {'TTFT p50':>9} {'done':>6}  "
+            f"engine tok/s, last {HISTORY} refreshes"
         )
         peak = max([max(v.history) for v in self.views] + [1.0])
         for v in self.views:
-            spark = "".join(SPARK[min(8, round(8 * x / peak))] for x in v.history)
+            spark = "".join(spark_cell(x, peak) for x in v.history)
             p50 = f"{statistics.median(v.ttft_ms):.0f} ms" if v.ttft_ms else "-"
             stream = f"{v.last_stream_rate:.0f}" if v.last_stream_rate is not None else "-"
             failed = f" ({v.num_failed} cut)" if v.num_failed else ""
             lines.append(
-                f"{v.name:8} {v.num_streams:>7} {rates[v.name]:>8.1f} {v.limit:>10} "
-                f"{stream:>9} {self._ttft(v):>10} {p50:>9} {v.num_done:>6}  {spark}{failed}"
+                f"{v.name:8} {v.num_streams:>7} {fmt_rate(v.engine_rate):>18} "
+                f"{rates[v.name]:>12.1f} {v.limit:>10} {stream:>9} {self._ttft(v):>10} "
+                f"{p50:>9} {v.num_done:>6}  {spark}{failed}"
             )
         lines += [
             "",
-            "tok/s: the user's tokens per second over the last 2 s, all streams; "
-            "1 stream: speed of its last finished request",
+            "engine tok/s (1 s): tokens the engine granted the user in its last 1 s "
+            "(control plane, GET /usage), what the limit applies to",
+            f"client tok/s: tokens this client read over the last {WINDOW_S:.0f} s, all streams "
+            "(one process reading every stream: late and bunched on a busy machine)",
+            "1 stream: client-side speed of the user's last finished request",
             "",
             *self.events,
         ]
@@ -202,6 +252,11 @@ async def run(args: argparse.Namespace) -> None:
         ]
         tasks.append(
             asyncio.create_task(keep_streaming(client, args.url, model, normal, 40, normal_pause))
+        )
+        tasks.append(
+            asyncio.create_task(
+                poll_engine_rates(client, args.control_plane, auth, [tenant, normal])
+            )
         )
 
         async def show(phase: str, seconds: float) -> None:

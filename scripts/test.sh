@@ -14,6 +14,8 @@ fi
 echo "== ruff"
 ruff check output_rate_core control_plane engine_ext migrations harness tests scripts bench setup.py
 ruff format --check output_rate_core control_plane engine_ext migrations harness tests scripts bench setup.py
+echo "== biome (web/: format, lint, import order; warnings fail too)"
+(cd web && node_modules/.bin/biome ci --error-on-warnings)
 echo "== mypy"
 mypy
 echo "== pytest"

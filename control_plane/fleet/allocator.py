@@ -28,16 +28,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from output_rate_core.limits import safe_share
+from output_rate_core.protocol import MILLI
 from output_rate_core.rates import validate_rate
 
-MILLI = 1000
 DEFAULT_LEASE_S = 10.0
-
-
-def safe_share(limit_milli: int, num_engines: int) -> int:
-    """What an engine enforces for a fleet user it holds no valid share for: its part of the
-    limit if the fleet were split evenly, so engines on their own still sum to at most the limit."""
-    return max(1, limit_milli // max(1, num_engines))
 
 
 def split(budget: int, streams: Mapping[str, int]) -> dict[str, int]:
@@ -333,6 +328,14 @@ class FleetAllocator:
     @property
     def num_engines(self) -> int:
         return len(self._engines)
+
+    def knows_engine(self, engine_id: str) -> bool:
+        """The engine is live or silent, not gone (a gone one comes back as a new engine)."""
+        return engine_id in self._engines
+
+    def knows_user(self, user: str) -> bool:
+        """Some engine reports demand for the user or may hold a share of it."""
+        return user in self._users
 
     # ---- internals --------------------------------------------------------------------
 

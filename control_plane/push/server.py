@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 import zmq
 
 from control_plane.db import Database
 from control_plane.engines import service as engines
+from control_plane.fleet.coordinator import FleetCoordinator
 from control_plane.limits import service as limits
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
 from control_plane.usage.book import UsageBook
@@ -127,6 +129,7 @@ class PushServer:
         secret_key: str | None = None,
         client_public_keys: Iterable[str] | Mapping[str, frozenset[str] | None] | None = None,
         usage: UsageBook | None = None,
+        fleet: FleetCoordinator | None = None,
         engine_timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
@@ -149,6 +152,8 @@ class PushServer:
         self._poll_interval_s = poll_interval_s
         # Where usage reports go (None: nobody reads them; they are dropped).
         self._usage = usage
+        # Fleet shares (docs/fleet.md); None: engines are only told the limits.
+        self.fleet = fleet
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
         self.peers: dict[bytes, Peer] = {}
         # engine id -> the identity bound to it
@@ -169,15 +174,22 @@ class PushServer:
         # The newest change-log version _publish has sent out (written by the
         # IO thread, read by notify() on any thread: an int, read atomically).
         self._published_version = 0
-        # (version, encoded snapshot): engines connecting together share one read.
-        self._snapshot_cache: tuple[int, bytes] | None = None
+        # (version, fleet size, encoded snapshot): engines connecting together share one read.
+        self._snapshot_cache: tuple[int, int, bytes] | None = None
 
     @property
     def num_dropped(self) -> int:
         return self.drops.total
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, db: Database, usage: UsageBook) -> PushServer:
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        db: Database,
+        usage: UsageBook,
+        fleet: FleetCoordinator | None = None,
+    ) -> PushServer:
         """The server `output-rate serve` runs; warns about what its settings leave open."""
         secret = settings.zmq_secret_key.get_secret_value() if settings.zmq_secret_key else None
         client_keys = settings.allowed_engine_keys()
@@ -212,6 +224,7 @@ class PushServer:
             secret_key=secret,
             client_public_keys=client_keys or None,
             usage=usage,
+            fleet=fleet,
             engine_timeout_s=settings.engine_timeout_s,
             engine_retention_s=settings.engine_retention_s,
         )
@@ -304,6 +317,8 @@ class PushServer:
                     if now >= next_beat:
                         next_beat = now + self._heartbeat_interval_s
                         self._beat(router, now)
+                    if self.fleet is not None:
+                        self._send_shares(router, self.fleet.step())
                     if self._dirty and now - self._last_flush >= STATUS_FLUSH_INTERVAL_S:
                         self._last_flush = now
                         self._flush_status()
@@ -339,7 +354,7 @@ class PushServer:
     ) -> None:
         now = time.monotonic()
         peer = self.peers.get(identity)
-        if isinstance(message, p.Snapshot | p.Delta):
+        if isinstance(message, p.Snapshot | p.Delta | p.Shares):
             self.drops.note("server-only message from an engine")
             return
         if peer is None:
@@ -375,12 +390,27 @@ class PushServer:
             # An engine's heartbeat restates what it applied (a lost ack is harmless).
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
+        elif isinstance(message, p.Demand | p.ShareAck):
+            if self.fleet is None:
+                self.drops.note("fleet message while fleet shares are off")
+            elif isinstance(message, p.Demand):
+                self._send_shares(router, self.fleet.on_demand(peer.engine_id, message))
+            elif not self.fleet.on_ack(peer.engine_id, message):
+                self.drops.note("share ack of another epoch", repr(peer.engine_id))
         else:
             assert isinstance(message, p.Usage)
             if self._usage is not None:
                 self._usage.add(message, engine_id=peer.engine_id)
         peer.last_seen = now
+        if self.fleet is not None:
+            self.fleet.heard(peer.engine_id)
         self._dirty.add(identity)
+
+    def _send_shares(self, router: zmq.Socket, frames: list[tuple[str, p.Shares]]) -> None:
+        for engine_id, message in frames:
+            identity = self._owners.get(engine_id)
+            if identity is not None:
+                self._send(router, identity, p.encode(message))
 
     def _bind(
         self, identity: bytes, engine_id: str, model: str, key: str | None, now: float
@@ -420,12 +450,20 @@ class PushServer:
         return peer
 
     def _snapshot_frame(self) -> tuple[int, bytes]:
+        # The fleet size rides along: an engine's safe shares hold from its first request.
+        num_engines = 1 if self.fleet is None else self.fleet.num_engines
         cached = self._snapshot_cache
-        if cached is not None and cached[0] == self._db.run_now(limits.current_version):
-            return cached
-        snap = self._db.run_now(limits.load_snapshot)
-        self._snapshot_cache = (snap.version, p.encode(snap))
-        return self._snapshot_cache
+        if (
+            cached is not None
+            and cached[1] == num_engines
+            and cached[0] == self._db.run_now(limits.current_version)
+        ):
+            return cached[0], cached[2]
+        snap = msgspec.structs.replace(
+            self._db.run_now(limits.load_snapshot), num_engines=num_engines
+        )
+        self._snapshot_cache = (snap.version, num_engines, p.encode(snap))
+        return snap.version, self._snapshot_cache[2]
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
         version, frame = self._snapshot_frame()
@@ -434,6 +472,11 @@ class PushServer:
         peer.last_snapshot_at = time.monotonic()
 
     def _publish(self, router: zmq.Socket) -> None:
+        if self.fleet is not None:
+            self.fleet.refresh(
+                lambda: self._db.run_now(limits.load_snapshot),
+                lambda version: self._db.run_now(limits.load_changes_since, version),
+            )
         if not self.peers:
             return
         oldest = min(peer.sent_version for peer in self.peers.values())

@@ -230,3 +230,19 @@ def test_metrics(client: TestClient) -> None:
     assert (
         'output_rate_http_requests_total{method="PUT",route="/limits/{user}",status="200"}' in body
     )
+
+
+@pytest.mark.parametrize("dots", [".", ".."])
+def test_dot_segment_user_ids_are_refused_in_paths_and_bulk(client: TestClient, dots: str) -> None:
+    # No browser can address /limits/. or /limits/.. (dot segments are removed), so such
+    # a user could never be opened, edited or deleted: it is never created.
+    encoded = dots.replace(".", "%2E")
+    response = client.put(f"/limits/{encoded}", json={"output_tokens_per_second": 5})
+    assert response.status_code == 422
+    assert response.json()["field"] == "user"
+    response = client.post(
+        "/limits:bulk", json={"items": [{"user": dots, "output_tokens_per_second": 5}]}
+    )
+    assert response.status_code == 422
+    assert "items.0.user" in response.text
+    assert version(client) == 0

@@ -196,3 +196,13 @@ def test_limits_versions_and_reclaims_are_rendered() -> None:
 
 def test_buckets_are_sorted() -> None:
     assert list(INTERVAL_BUCKETS) == sorted(INTERVAL_BUCKETS)
+
+
+def test_fleet_figures_are_rendered_only_with_a_control_plane() -> None:
+    metrics, _ = make_metrics()
+    engine = (("engine", "0"), ("model_name", "tiny"))
+    rendered = samples(snapshot(metrics, fleet_size=3, num_shares=2, shares_leased=False))
+    assert rendered["vllm:output_rate_fleet_engines"] == {engine: 3}
+    assert rendered["vllm:output_rate_fleet_shares"] == {engine: 2}
+    assert rendered["vllm:output_rate_fleet_lease_valid"] == {engine: 0}
+    assert "vllm:output_rate_fleet_engines" not in samples(snapshot(metrics))

@@ -80,3 +80,17 @@ def test_the_share_binds_and_the_rest_of_demand_follows_within_the_interval(
     _, demand = server.recv(p.Demand)
     assert isinstance(demand, p.Demand)
     assert demand.streams.get("a", 0) == 0
+
+
+def test_an_engine_that_goes_idle_says_its_demand_ended(
+    fleet_engine: tuple[Any, ScriptedServer, bytes],
+) -> None:
+    sched, server, _ = fleet_engine
+    sched.add_request(make_request("a", max_tokens=2))
+    drive(sched, num_steps=1, clock=sched.clock, step_ms=1)
+    assert server.recv(p.Demand)[1] == p.Demand("e1", True, {"a": 1})
+    trace = drive(sched, num_steps=20, clock=sched.clock, step_ms=1)  # 20 ms: no periodic report
+    assert trace.finished
+    # The engine loop asks has_requests() before it blocks on its input queue.
+    assert not sched.has_requests()
+    assert server.recv(p.Demand)[1] == p.Demand("e1", False, {"a": 0})

@@ -13,13 +13,19 @@ from output_rate_core import ids
 from output_rate_core import protocol as p
 
 
+@pytest.mark.parametrize("good", ["...", ".hidden", "a.b", "..x", "x..", "ü ser", "a" * 256])
+def test_user_ids_with_dots_that_a_url_keeps_are_fine(good: str) -> None:
+    assert ids.check_user_id(good) == good
+    assert p.decode(p.encode(p.Usage("e1", 1.0, {good: 1}, {}))).granted == {good: 1}
+
+
 def test_column_lengths_are_the_id_rules() -> None:
     assert Engine.__table__.c.engine_id.type.length == ids.MAX_ENGINE_ID_LEN  # type: ignore[attr-defined]
     assert Engine.__table__.c.model.type.length == ids.MAX_MODEL_LEN  # type: ignore[attr-defined]
     assert UserLimit.__table__.c.user.type.length == ids.MAX_USER_ID_LEN  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "nul\x00", "tab\t", "\ufffd", "x" * 257])
+@pytest.mark.parametrize("bad", ["", "a/b", "nul\x00", "tab\t", "\ufffd", "x" * 257, ".", ".."])
 def test_bad_user_ids_are_refused_everywhere(bad: str) -> None:
     with pytest.raises(ValueError):
         ids.check_user_id(bad)
@@ -28,13 +34,15 @@ def test_bad_user_ids_are_refused_everywhere(bad: str) -> None:
         p.decode(p.encode(p.Usage("e1", 1.0, {bad: 1}, {})))
 
 
-@pytest.mark.parametrize("good", ["e1", "host:8000", "[::1]:8000", "vllm-0.ns_1@zone"])
+@pytest.mark.parametrize(
+    "good", ["e1", "host:8000", "[::1]:8000", "vllm-0.ns_1@zone", "...", ".a", "a.", ".a."]
+)
 def test_engine_ids(good: str) -> None:
     assert ids.check_engine_id(good) == good
     assert p.decode(p.encode(p.Hello(good, "org/model", 0))) == p.Hello(good, "org/model", 0)
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "a b", "nul\x00", "x" * 257, "é"])
+@pytest.mark.parametrize("bad", ["", "a/b", "a b", "nul\x00", "x" * 257, "é", ".", ".."])
 def test_bad_engine_ids_are_refused_by_protocol_and_flag(bad: str) -> None:
     with pytest.raises(ValueError):
         ids.check_engine_id(bad)

@@ -24,19 +24,24 @@ const FIELD_WORDS = {
 
 // The server's messages name fields and pydantic's rules; say the same in plain words.
 export function plainMessage(status, data) {
-  const field = data && data.field ? String(data.field) : null;
   const detail = data && typeof data.detail === "string" ? data.detail : "";
   if (status === 401) return "The token was not accepted. Enter the admin token or a viewer token.";
-  if (status === 403) return "This session is read-only (viewer token): the control plane refused the change.";
-  if (status >= 500) return `The control plane failed (HTTP ${status}). Try again; if it keeps failing, check its log.`;
-  const errors = (data && data.errors) || [];
+  if (status === 403)
+    return "This session is read-only (viewer token): the control plane refused the change.";
+  if (status >= 500)
+    return (
+      `The control plane failed (HTTP ${status}). ` +
+      "Try again; if it keeps failing, check its log."
+    );
+  const errors = data?.errors || [];
   const first = errors[0];
   if (first) {
     const what = FIELD_WORDS[first.field] || first.field;
     if (first.field === "output_tokens_per_second" || /rate/.test(first.field)) {
       return `${what}: enter a whole number of tokens per second from 1 to 1,000,000.`;
     }
-    if (first.type === "string_pattern_mismatch") return `${what}: contains characters that are not allowed.`;
+    if (first.type === "string_pattern_mismatch")
+      return `${what}: contains characters that are not allowed.`;
     if (first.type === "string_too_long") return `${what}: too long.`;
     return `${what}: ${first.msg.replace(/^Value error, /, "")}.`;
   }
@@ -54,14 +59,22 @@ export async function api(method, path, body, { contentType = "application/json"
   if (body !== undefined) headers["Content-Type"] = contentType;
   let response;
   try {
-    response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
   } catch (_) {
     throw new ApiError(0, "The control plane could not be reached. Is it running?");
   }
   if (!response.ok) {
     let data = null;
-    try { data = await response.json(); } catch (_) { /* not JSON */ }
-    throw new ApiError(response.status, plainMessage(response.status, data), data && data.field);
+    try {
+      data = await response.json();
+    } catch (_) {
+      /* not JSON */
+    }
+    throw new ApiError(response.status, plainMessage(response.status, data), data?.field);
   }
   return response.status === 204 ? null : response.json();
 }

@@ -21,8 +21,10 @@ export function h(tag, attrs = {}, ...children) {
 
 const NUMBER = new Intl.NumberFormat("en-US");
 export const fmtInt = (n) => NUMBER.format(n);
-export const fmtRate = (rate) => (rate === null || rate === undefined ? "unlimited" : `${fmtInt(rate)}`);
-export const fmtRateUnit = (rate) => (rate === null || rate === undefined ? "unlimited" : `${fmtInt(rate)} tok/s`);
+export const fmtRate = (rate) =>
+  rate === null || rate === undefined ? "unlimited" : `${fmtInt(rate)}`;
+export const fmtRateUnit = (rate) =>
+  rate === null || rate === undefined ? "unlimited" : `${fmtInt(rate)} tok/s`;
 export const plural = (n, one, many = `${one}s`) => `${fmtInt(n)} ${n === 1 ? one : many}`;
 export const fmtTime = (iso) => new Date(iso).toLocaleString();
 
@@ -30,14 +32,30 @@ export const fmtTime = (iso) => new Date(iso).toLocaleString();
 // With stack: true, a phone shows each row as a small card labelled by the headers.
 export function table(caption, headers, rows, attrs = {}, { stack = false } = {}) {
   for (const row of rows) {
-    [...row.children].forEach((td, i) => { if (headers[i]) td.dataset.label = headers[i]; });
+    [...row.children].forEach((td, i) => {
+      if (headers[i]) td.dataset.label = headers[i];
+    });
   }
   if (stack) attrs = { ...attrs, class: `${attrs.class || ""} stack-narrow`.trim() };
-  return h("div", { class: "table-wrap" },
-    h("table", attrs,
+  return h(
+    "div",
+    { class: "table-wrap" },
+    h(
+      "table",
+      attrs,
       h("caption", { class: "visually-hidden" }, caption),
-      h("thead", {}, h("tr", {}, headers.map((t) => h("th", { scope: "col" }, t)))),
-      h("tbody", {}, rows)));
+      h(
+        "thead",
+        {},
+        h(
+          "tr",
+          {},
+          headers.map((t) => h("th", { scope: "col" }, t)),
+        ),
+      ),
+      h("tbody", {}, rows),
+    ),
+  );
 }
 
 export function section(title, ...children) {

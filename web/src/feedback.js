@@ -19,8 +19,10 @@ export function fieldError(form, field, message) {
   const note = h("p", { class: "field-error", id, role: "alert" }, message);
   if (control) {
     anchor.append(note);
-    const input = control.matches("input,select,textarea") ? control
-      : control.querySelector("input[type=text], input:not([type]), select, textarea") || control.querySelector("input");
+    const input = control.matches("input,select,textarea")
+      ? control
+      : control.querySelector("input[type=text], input:not([type]), select, textarea") ||
+        control.querySelector("input");
     if (input) {
       input.setAttribute("aria-invalid", "true");
       input.setAttribute("aria-describedby", id);
@@ -32,11 +34,11 @@ export function fieldError(form, field, message) {
 }
 
 export function clearErrors(form) {
-  form.querySelectorAll(".field-error").forEach((el) => el.remove());
-  form.querySelectorAll("[aria-invalid]").forEach((el) => {
+  for (const el of form.querySelectorAll(".field-error")) el.remove();
+  for (const el of form.querySelectorAll("[aria-invalid]")) {
     el.removeAttribute("aria-invalid");
     el.removeAttribute("aria-describedby");
-  });
+  }
 }
 
 // Submit handler: validation or API errors land next to their field; success is toasted.

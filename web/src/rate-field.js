@@ -15,37 +15,65 @@ export function parseRate(text) {
 }
 
 // value: current rate (number) or null; noneLabel: what null means here.
-export function rateField({ id, legend, value, noneLabel = "Unlimited", field = "output_tokens_per_second", fresh = false }) {
+export function rateField({
+  id,
+  legend,
+  value,
+  noneLabel = "Unlimited",
+  field = "output_tokens_per_second",
+  fresh = false,
+}) {
   const limitRadio = h("input", { type: "radio", name: id, id: `${id}-limited`, value: "limited" });
   const noneRadio = h("input", { type: "radio", name: id, id: `${id}-none`, value: "none" });
   const input = h("input", {
-    type: "text", inputmode: "numeric", id: `${id}-rate`, autocomplete: "off", size: 9,
+    type: "text",
+    inputmode: "numeric",
+    id: `${id}-rate`,
+    autocomplete: "off",
+    size: 9,
     "aria-label": `${legend}: tokens per second`,
   });
   if (value === null || value === undefined) {
-    if (fresh) limitRadio.checked = true; else noneRadio.checked = true;
+    if (fresh) limitRadio.checked = true;
+    else noneRadio.checked = true;
   } else {
     limitRadio.checked = true;
     input.value = String(value);
   }
-  input.addEventListener("input", () => { limitRadio.checked = true; });
-  const el = h("fieldset", { class: "field rate-field", "data-field": field },
+  input.addEventListener("input", () => {
+    limitRadio.checked = true;
+  });
+  const el = h(
+    "fieldset",
+    { class: "field rate-field", "data-field": field },
     h("legend", {}, legend),
-    h("div", { class: "row" },
-      limitRadio, h("label", { for: limitRadio.id }, "Limit"), input, h("span", { class: "unit" }, "tok/s")),
-    h("div", { class: "row" }, noneRadio, h("label", { for: noneRadio.id }, noneLabel)));
+    h(
+      "div",
+      { class: "row" },
+      limitRadio,
+      h("label", { for: limitRadio.id }, "Limit"),
+      input,
+      h("span", { class: "unit" }, "tok/s"),
+    ),
+    h("div", { class: "row" }, noneRadio, h("label", { for: noneRadio.id }, noneLabel)),
+  );
   return {
     el,
     input,
     // The chosen rate (null = the none choice); FieldError on anything else.
     value() {
       if (noneRadio.checked) return null;
-      if (!limitRadio.checked) throw new FieldError(field, `${legend}: choose a rate or ${noneLabel.toLowerCase()}.`);
+      if (!limitRadio.checked)
+        throw new FieldError(field, `${legend}: choose a rate or ${noneLabel.toLowerCase()}.`);
       const rate = parseRate(input.value);
       if (rate === null) {
-        throw new FieldError(field,
+        throw new FieldError(
+          field,
           `${legend}: enter a whole number of tokens per second from 1 to 1,000,000` +
-          (input.value.trim() === "" ? `, or choose “${noneLabel}”.` : ` (“${input.value.trim()}” is not one).`));
+            (input.value.trim() === ""
+              ? `, or choose “${noneLabel}”.`
+              : ` (“${input.value.trim()}” is not one).`),
+        );
       }
       return rate;
     },

@@ -20,6 +20,10 @@ export function link(view, arg = null, params = null) {
 
 // Change the query of the current view without a new history entry per keystroke.
 export function replaceParams(view, arg, params) {
-  const target = link(view, arg, Object.fromEntries(Object.entries(params).filter(([, v]) => v !== "" && v != null)));
+  const target = link(
+    view,
+    arg,
+    Object.fromEntries(Object.entries(params).filter(([, v]) => v !== "" && v != null)),
+  );
   history.replaceState(null, "", target);
 }

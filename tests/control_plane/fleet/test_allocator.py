@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from control_plane.fleet.allocator import (
-    MILLI,
-    FleetAllocator,
-    ShareUpdate,
-    safe_share,
-    split,
-)
+from control_plane.fleet.allocator import FleetAllocator, ShareUpdate, split
+from output_rate_core.limits import safe_share
+from output_rate_core.protocol import MILLI
 
 
 class FakeClock:

@@ -1,24 +1,52 @@
 // Engines: the version each applied, connected or not, last seen.
 
 import { api } from "../api.js";
-import { h, section, table, fmtTime, plural } from "../dom.js";
+import { fmtTime, h, plural, section, table } from "../dom.js";
 
 export async function render(main) {
   const box = h("div");
-  main.replaceChildren(h("h2", { class: "view-title" }, "Engines"), section("Engines and applied versions", box));
+  main.replaceChildren(
+    h("h2", { class: "view-title" }, "Engines"),
+    section("Engines and applied versions", box),
+  );
   async function refresh() {
     const { version, items } = await api("GET", "/engines");
     const behind = items.filter((e) => e.connected && e.applied_version < version).length;
+    const applied = behind
+      ? `${behind} connected not yet on it.`
+      : "every connected engine applied it.";
     box.replaceChildren(
-      h("p", { class: "hint" }, `Current config version ${version}. ${plural(items.length, "engine")}; ${behind ? `${behind} connected not yet on it.` : "every connected engine applied it."}`),
-      items.length ? table("engines", ["Engine", "Model", "Applied version", "Connected", "Last seen"], items.map((e) =>
-        h("tr", { dataset: { engine: e.engine_id } },
-          h("td", {}, e.engine_id),
-          h("td", {}, e.model || "–"),
-          h("td", { class: e.applied_version < version ? "stale" : "" }, e.applied_version < version ? `${e.applied_version} (behind)` : String(e.applied_version)),
-          h("td", {}, e.connected ? "yes" : "no"),
-          h("td", {}, fmtTime(e.last_seen)))), { id: "engines" }, { stack: true })
-        : h("p", {}, "No engine has connected yet."));
+      h(
+        "p",
+        { class: "hint" },
+        `Current config version ${version}. ${plural(items.length, "engine")}; ${applied}`,
+      ),
+      items.length
+        ? table(
+            "engines",
+            ["Engine", "Model", "Applied version", "Connected", "Last seen"],
+            items.map((e) =>
+              h(
+                "tr",
+                { dataset: { engine: e.engine_id } },
+                h("td", {}, e.engine_id),
+                h("td", {}, e.model || "–"),
+                h(
+                  "td",
+                  { class: e.applied_version < version ? "stale" : "" },
+                  e.applied_version < version
+                    ? `${e.applied_version} (behind)`
+                    : String(e.applied_version),
+                ),
+                h("td", {}, e.connected ? "yes" : "no"),
+                h("td", {}, fmtTime(e.last_seen)),
+              ),
+            ),
+            { id: "engines" },
+            { stack: true },
+          )
+        : h("p", {}, "No engine has connected yet."),
+    );
   }
   await refresh();
   return { refresh, interval: 2000 };

@@ -1,8 +1,8 @@
 // Overview: do all engines enforce the current version, fleet tokens/s, who is throttled.
 
 import { api } from "../api.js";
-import { h, section, table, fmtInt, fmtRateUnit, plural } from "../dom.js";
 import { historyChart } from "../chart.js";
+import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
 import { link, replaceParams } from "../router.js";
 
 const TOP_LIVE = 10;
@@ -17,36 +17,71 @@ export async function render(main, route) {
   });
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Overview"),
-    h("div", { class: "grid" },
-      section("Engines", enginesBox),
-      section("Fleet now", fleetBox)),
+    h("div", { class: "grid" }, section("Engines", enginesBox), section("Fleet now", fleetBox)),
     section("Most throttled users now", throttledBox),
-    section("History: share of limit", chart.el));
+    section("History: share of limit", chart.el),
+  );
 
   async function refreshLive() {
     const [engines, usage] = await Promise.all([api("GET", "/engines"), api("GET", "/usage")]);
     const connected = engines.items.filter((e) => e.connected);
     const behind = connected.filter((e) => e.applied_version < engines.version);
     enginesBox.replaceChildren(
-      h("p", { class: `big ${behind.length ? "bad" : "good"}` },
-        engines.items.length === 0 ? "No engine has connected yet."
-          : behind.length ? `${plural(behind.length, "engine")} of ${connected.length} connected not yet on version ${engines.version}`
-            : `All ${plural(connected.length, "connected engine")} applied version ${engines.version}`),
-      h("p", { class: "hint" }, `${plural(engines.items.length - connected.length, "engine")} disconnected. `, h("a", { href: link("engines") }, "Engine details")));
+      h(
+        "p",
+        { class: `big ${behind.length ? "bad" : "good"}` },
+        engines.items.length === 0
+          ? "No engine has connected yet."
+          : behind.length
+            ? `${plural(behind.length, "engine")} of ${connected.length} connected ` +
+              `not yet on version ${engines.version}`
+            : `All ${plural(connected.length, "connected engine")} ` +
+              `applied version ${engines.version}`,
+      ),
+      h(
+        "p",
+        { class: "hint" },
+        `${plural(engines.items.length - connected.length, "engine")} disconnected. `,
+        h("a", { href: link("engines") }, "Engine details"),
+      ),
+    );
     const total = usage.items.reduce((sum, u) => sum + u.output_tokens_per_second_1s, 0);
     const throttled = usage.items.filter((u) => u.throttled_fraction > 0);
     fleetBox.replaceChildren(
       h("p", { class: "big", id: "fleet-rate" }, `${fmtInt(Math.round(total))} tok/s`),
-      h("p", { class: "hint" }, `${plural(usage.items.length, "active user")}, ${fmtInt(throttled.length)} throttled (last 10 s)`));
-    const top = [...usage.items].sort((a, b) => b.throttled_fraction - a.throttled_fraction || b.output_tokens_per_second_10s - a.output_tokens_per_second_10s).slice(0, TOP_LIVE);
-    throttledBox.replaceChildren(top.length
-      ? table("most throttled users now", ["User", "tok/s (10 s)", "Limit", "Throttled"], top.map((u) =>
-        h("tr", { dataset: { user: u.user } },
-          h("td", {}, h("a", { href: link("users", u.user) }, u.user)),
-          h("td", {}, u.output_tokens_per_second_10s.toFixed(1)),
-          h("td", {}, fmtRateUnit(u.limit)),
-          h("td", {}, `${Math.round(u.throttled_fraction * 100)}%`))), { id: "live-usage" })
-      : h("p", { class: "hint" }, "No usage reported in the last 10 seconds."));
+      h(
+        "p",
+        { class: "hint" },
+        `${plural(usage.items.length, "active user")}, ` +
+          `${fmtInt(throttled.length)} throttled (last 10 s)`,
+      ),
+    );
+    const top = [...usage.items]
+      .sort(
+        (a, b) =>
+          b.throttled_fraction - a.throttled_fraction ||
+          b.output_tokens_per_second_10s - a.output_tokens_per_second_10s,
+      )
+      .slice(0, TOP_LIVE);
+    throttledBox.replaceChildren(
+      top.length
+        ? table(
+            "most throttled users now",
+            ["User", "tok/s (10 s)", "Limit", "Throttled"],
+            top.map((u) =>
+              h(
+                "tr",
+                { dataset: { user: u.user } },
+                h("td", {}, h("a", { href: link("users", u.user) }, u.user)),
+                h("td", {}, u.output_tokens_per_second_10s.toFixed(1)),
+                h("td", {}, fmtRateUnit(u.limit)),
+                h("td", {}, `${Math.round(u.throttled_fraction * 100)}%`),
+              ),
+            ),
+            { id: "live-usage" },
+          )
+        : h("p", { class: "hint" }, "No usage reported in the last 10 seconds."),
+    );
   }
 
   await Promise.all([refreshLive(), chart.refresh()]);

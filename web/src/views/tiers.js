@@ -2,18 +2,20 @@
 // changes that affect many users or remove a limit are confirmed with their effect.
 
 import { api, mergePatch, tierPath } from "../api.js";
-import { h, section, table, fmtInt, fmtRateUnit, plural } from "../dom.js";
-import { canWrite } from "../session.js";
-import { confirmEffect, handleSubmit, toast, FieldError } from "../feedback.js";
+import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
+import { confirmEffect, FieldError, handleSubmit, toast } from "../feedback.js";
 import { rateField } from "../rate-field.js";
+import { canWrite } from "../session.js";
 
 // A rate change for at least this many users is confirmed first.
 export const MANY_USERS = 10;
 const TIER_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
+const rateWords = (rate) => (rate === null ? "unlimited" : fmtInt(rate));
+
 // "1,114 users: 100 → unlimited tok/s"
 export const effectLine = (numUsers, from, to) =>
-  `${plural(numUsers, "user")}: ${from === null ? "unlimited" : fmtInt(from)} → ${to === null ? "unlimited" : fmtInt(to)} tok/s`;
+  `${plural(numUsers, "user")}: ${rateWords(from)} → ${rateWords(to)} tok/s`;
 
 export async function render(main) {
   const writer = canWrite();
@@ -21,39 +23,81 @@ export async function render(main) {
   const tiersBox = h("div");
   const editBox = h("div", { id: "tier-edit" });
   let tiers = [];
-  main.replaceChildren(h("h2", { class: "view-title" }, "Tiers and default limit"),
-    section("Default limit", h("p", { class: "hint" }, "Users with neither a tier nor an override get this rate."), defaultBox),
-    section("Tiers", tiersBox, editBox));
+  main.replaceChildren(
+    h("h2", { class: "view-title" }, "Tiers and default limit"),
+    section(
+      "Default limit",
+      h("p", { class: "hint" }, "Users with neither a tier nor an override get this rate."),
+      defaultBox,
+    ),
+    section("Tiers", tiersBox, editBox),
+  );
   if (writer) main.append(section("New tier", newTierForm()));
 
   function editTierForm(tier) {
-    const rate = rateField({ id: "edit-rate", legend: "Rate", value: tier.output_tokens_per_second });
-    const description = h("input", { id: "edit-description", value: tier.description, "data-field": "description", maxlength: 1000 });
-    const form = h("form", { id: "tier-edit-form", class: "stack", "aria-labelledby": "tier-edit-title" },
+    const rate = rateField({
+      id: "edit-rate",
+      legend: "Rate",
+      value: tier.output_tokens_per_second,
+    });
+    const description = h("input", {
+      id: "edit-description",
+      value: tier.description,
+      "data-field": "description",
+      maxlength: 1000,
+    });
+    const form = h(
+      "form",
+      { id: "tier-edit-form", class: "stack", "aria-labelledby": "tier-edit-title" },
       h("h3", { id: "tier-edit-title", tabindex: "-1" }, `Edit tier ${tier.name}`),
       rate.el,
-      h("div", { class: "field" }, h("label", { for: "edit-description" }, "Description"), description),
-      h("div", { class: "row" },
+      h(
+        "div",
+        { class: "field" },
+        h("label", { for: "edit-description" }, "Description"),
+        description,
+      ),
+      h(
+        "div",
+        { class: "row" },
         h("button", { type: "submit" }, `Save tier ${tier.name}`),
-        h("button", { type: "button", class: "secondary", onclick: () => editBox.replaceChildren() }, "Cancel")));
+        h(
+          "button",
+          { type: "button", class: "secondary", onclick: () => editBox.replaceChildren() },
+          "Cancel",
+        ),
+      ),
+    );
     handleSubmit(form, async () => {
       const changes = {};
       const newRate = rate.value();
       if (newRate !== tier.output_tokens_per_second) changes.output_tokens_per_second = newRate;
       if (description.value !== tier.description) changes.description = description.value;
       if (!Object.keys(changes).length) return `Tier ${tier.name}: nothing changed.`;
-      if ("output_tokens_per_second" in changes && (newRate === null || tier.num_users >= MANY_USERS)) {
+      if (
+        "output_tokens_per_second" in changes &&
+        (newRate === null || tier.num_users >= MANY_USERS)
+      ) {
         const lines = [effectLine(tier.num_users, tier.output_tokens_per_second, newRate)];
         if (tier.num_users) lines.push("Users with their own override keep it.");
-        const ok = await confirmEffect(`Change the rate of tier ${tier.name}?`, lines,
-          newRate === null ? `Make ${tier.name} unlimited` : `Set ${tier.name} to ${fmtInt(newRate)} tok/s`);
+        const ok = await confirmEffect(
+          `Change the rate of tier ${tier.name}?`,
+          lines,
+          newRate === null
+            ? `Make ${tier.name} unlimited`
+            : `Set ${tier.name} to ${fmtInt(newRate)} tok/s`,
+        );
         if (!ok) return "Not changed.";
       }
       const view = await mergePatch(tierPath(tier.name), changes);
       editBox.replaceChildren();
       await refresh();
       const said = [];
-      if ("output_tokens_per_second" in changes) said.push(`rate ${fmtRateUnit(tier.output_tokens_per_second)} → ${fmtRateUnit(view.output_tokens_per_second)}`);
+      if ("output_tokens_per_second" in changes)
+        said.push(
+          `rate ${fmtRateUnit(tier.output_tokens_per_second)} → ` +
+            fmtRateUnit(view.output_tokens_per_second),
+        );
       if ("description" in changes) said.push("description updated");
       return `Tier ${tier.name}: ${said.join(", ")}.`;
     });
@@ -61,23 +105,52 @@ export async function render(main) {
   }
 
   function newTierForm() {
-    const name = h("input", { id: "new-tier-name", autocomplete: "off", "data-field": "name", maxlength: 64 });
+    const name = h("input", {
+      id: "new-tier-name",
+      autocomplete: "off",
+      "data-field": "name",
+      maxlength: 64,
+    });
     const rate = rateField({ id: "new-tier-rate", legend: "Rate", value: null, fresh: true });
-    const description = h("input", { id: "new-tier-description", "data-field": "description", maxlength: 1000 });
-    const form = h("form", { id: "tier-create", class: "stack" },
+    const description = h("input", {
+      id: "new-tier-description",
+      "data-field": "description",
+      maxlength: 1000,
+    });
+    const form = h(
+      "form",
+      { id: "tier-create", class: "stack" },
       h("div", { class: "field" }, h("label", { for: "new-tier-name" }, "Name"), name),
       rate.el,
-      h("div", { class: "field" }, h("label", { for: "new-tier-description" }, "Description (optional)"), description),
-      h("button", { type: "submit" }, "Create tier"));
+      h(
+        "div",
+        { class: "field" },
+        h("label", { for: "new-tier-description" }, "Description (optional)"),
+        description,
+      ),
+      h("button", { type: "submit" }, "Create tier"),
+    );
     handleSubmit(form, async () => {
       const tierName = name.value.trim();
       if (!TIER_NAME.test(tierName)) {
-        throw new FieldError("name", tierName ? "Name: use up to 64 letters, digits, “.”, “_” or “-”, starting with a letter or digit."
-          : "Name: enter a name for the tier.");
+        throw new FieldError(
+          "name",
+          tierName
+            ? "Name: use up to 64 letters, digits, “.”, “_” or “-”, " +
+                "starting with a letter or digit."
+            : "Name: enter a name for the tier.",
+        );
       }
       const value = rate.value();
-      if (tiers.some((t) => t.name === tierName)) throw new FieldError("name", `Name: tier ${tierName} already exists; use “Edit tier ${tierName}”.`);
-      await api("PUT", tierPath(tierName), { output_tokens_per_second: value, description: description.value });
+      if (tiers.some((t) => t.name === tierName))
+        throw new FieldError(
+          "name",
+          `Name: tier ${tierName} already exists; use “Edit tier ${tierName}”.`,
+        );
+      await api("PUT", tierPath(tierName), {
+        output_tokens_per_second: value,
+        description: description.value,
+      });
       form.reset();
       rate.input.value = "";
       await refresh();
@@ -88,14 +161,24 @@ export async function render(main) {
 
   function defaultForm(current) {
     const rate = rateField({ id: "default-rate", legend: "Default rate", value: current });
-    const form = h("form", { id: "default-form", class: "stack" }, rate.el, h("button", { type: "submit" }, "Save default limit"));
+    const form = h(
+      "form",
+      { id: "default-form", class: "stack" },
+      rate.el,
+      h("button", { type: "submit" }, "Save default limit"),
+    );
     handleSubmit(form, async () => {
       const value = rate.value();
       if (value === current) return "Default limit: nothing changed.";
-      const ok = await confirmEffect("Change the default limit?", [
-        `Every user without a tier or an override: ${current === null ? "unlimited" : fmtInt(current)} → ${value === null ? "unlimited" : fmtInt(value)} tok/s`,
-        "This includes users nobody has configured yet.",
-      ], value === null ? "Make the default unlimited" : `Set the default to ${fmtInt(value)} tok/s`);
+      const ok = await confirmEffect(
+        "Change the default limit?",
+        [
+          "Every user without a tier or an override: " +
+            `${rateWords(current)} → ${rateWords(value)} tok/s`,
+          "This includes users nobody has configured yet.",
+        ],
+        value === null ? "Make the default unlimited" : `Set the default to ${fmtInt(value)} tok/s`,
+      );
       if (!ok) return "Not changed.";
       await api("PUT", "/default-limit", { output_tokens_per_second: value });
       await refreshDefault(true);
@@ -109,39 +192,90 @@ export async function render(main) {
     const { output_tokens_per_second: rate } = await api("GET", "/default-limit");
     if (!force && rate === shownDefault) return;
     shownDefault = rate;
-    defaultBox.replaceChildren(...[h("p", { id: "default-current" }, `Now: ${fmtRateUnit(rate)}`), writer ? defaultForm(rate) : null].filter(Boolean));
+    defaultBox.replaceChildren(
+      ...[
+        h("p", { id: "default-current" }, `Now: ${fmtRateUnit(rate)}`),
+        writer ? defaultForm(rate) : null,
+      ].filter(Boolean),
+    );
   }
 
   async function deleteTier(tier) {
     if (tier.num_users) {
-      await confirmEffect(`Tier ${tier.name} cannot be deleted`, [`${plural(tier.num_users, "user")} still in it: move them to another tier first.`], "OK");
+      await confirmEffect(
+        `Tier ${tier.name} cannot be deleted`,
+        [`${plural(tier.num_users, "user")} still in it: move them to another tier first.`],
+        "OK",
+      );
       return;
     }
-    const ok = await confirmEffect(`Delete tier ${tier.name}?`, [`Tier ${tier.name} (${fmtRateUnit(tier.output_tokens_per_second)}) has no users.`], `Delete ${tier.name}`);
+    const ok = await confirmEffect(
+      `Delete tier ${tier.name}?`,
+      [`Tier ${tier.name} (${fmtRateUnit(tier.output_tokens_per_second)}) has no users.`],
+      `Delete ${tier.name}`,
+    );
     if (!ok) return;
     try {
       await api("DELETE", tierPath(tier.name));
       toast(`Tier ${tier.name} deleted.`);
-    } catch (error) { toast(error.message, "error"); }
+    } catch (error) {
+      toast(error.message, "error");
+    }
     await refresh();
   }
 
   async function refresh() {
     const [{ items }] = await Promise.all([api("GET", "/tiers"), refreshDefault()]);
     tiers = items;
-    tiersBox.replaceChildren(items.length ? table("tiers", ["Name", "Rate", "Description", "Users", ...(writer ? ["Actions"] : [])], items.map((t) =>
-      h("tr", { dataset: { tier: t.name } },
-        h("td", {}, t.name),
-        h("td", {}, fmtRateUnit(t.output_tokens_per_second)),
-        h("td", {}, t.description || ""),
-        h("td", {}, fmtInt(t.num_users)),
-        writer ? h("td", { class: "actions" },
-          h("button", { type: "button", class: "secondary", "aria-label": `Edit tier ${t.name}`, onclick: () => {
-            editBox.replaceChildren(editTierForm(t));
-            editBox.querySelector("h3").focus();
-          } }, "Edit"),
-          h("button", { type: "button", class: "danger", "aria-label": `Delete tier ${t.name}`, onclick: () => deleteTier(t) }, "Delete")) : null)), { id: "tiers" }, { stack: true })
-      : h("p", { class: "hint" }, "No tiers yet."));
+    tiersBox.replaceChildren(
+      items.length
+        ? table(
+            "tiers",
+            ["Name", "Rate", "Description", "Users", ...(writer ? ["Actions"] : [])],
+            items.map((t) =>
+              h(
+                "tr",
+                { dataset: { tier: t.name } },
+                h("td", {}, t.name),
+                h("td", {}, fmtRateUnit(t.output_tokens_per_second)),
+                h("td", {}, t.description || ""),
+                h("td", {}, fmtInt(t.num_users)),
+                writer
+                  ? h(
+                      "td",
+                      { class: "actions" },
+                      h(
+                        "button",
+                        {
+                          type: "button",
+                          class: "secondary",
+                          "aria-label": `Edit tier ${t.name}`,
+                          onclick: () => {
+                            editBox.replaceChildren(editTierForm(t));
+                            editBox.querySelector("h3").focus();
+                          },
+                        },
+                        "Edit",
+                      ),
+                      h(
+                        "button",
+                        {
+                          type: "button",
+                          class: "danger",
+                          "aria-label": `Delete tier ${t.name}`,
+                          onclick: () => deleteTier(t),
+                        },
+                        "Delete",
+                      ),
+                    )
+                  : null,
+              ),
+            ),
+            { id: "tiers" },
+            { stack: true },
+          )
+        : h("p", { class: "hint" }, "No tiers yet."),
+    );
   }
   await refresh();
   return { refresh, interval: 5000 };

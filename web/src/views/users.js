@@ -2,17 +2,21 @@
 // Opening an id nobody configured asks before it is created; bulk import previews first.
 
 import { api, userPath } from "../api.js";
-import { h, section, table, fmtInt, fmtRateUnit, plural } from "../dom.js";
-import { canWrite } from "../session.js";
-import { confirmEffect, handleSubmit, FieldError } from "../feedback.js";
-import { link, replaceParams } from "../router.js";
+import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
+import { confirmEffect, FieldError, handleSubmit } from "../feedback.js";
 import { parseRate } from "../rate-field.js";
+import { link, replaceParams } from "../router.js";
+import { canWrite } from "../session.js";
 
 // Fewer rows per page on a phone.
 const PAGE = matchMedia("(max-width: 600px)").matches ? 20 : 50;
 const SORTS = {
-  user: "User id A→Z", "-user": "User id Z→A", tier: "Tier A→Z", "-tier": "Tier Z→A",
-  "-override": "Override high→low", override: "Override low→high",
+  user: "User id A→Z",
+  "-user": "User id Z→A",
+  tier: "Tier A→Z",
+  "-tier": "Tier Z→A",
+  "-override": "Override high→low",
+  override: "Override low→high",
 };
 
 // Whether `user` is configured (has a row): the first id at or after it, by prefix.
@@ -26,10 +30,14 @@ export async function openUser(user) {
     location.hash = link("users", user);
     return true;
   }
-  const ok = await confirmEffect(`User ${user} is not configured`, [
-    `No user with the id “${user}” exists yet (check the spelling).`,
-    "Continue to set a tier or an override for it; nothing is created until you save.",
-  ], `Continue with ${user}`);
+  const ok = await confirmEffect(
+    `User ${user} is not configured`,
+    [
+      `No user with the id “${user}” exists yet (check the spelling).`,
+      "Continue to set a tier or an override for it; nothing is created until you save.",
+    ],
+    `Continue with ${user}`,
+  );
   if (ok) location.hash = link("users", user, { new: "1" });
   return ok;
 }
@@ -37,67 +45,160 @@ export async function openUser(user) {
 export async function render(main, route) {
   const writer = canWrite();
   const p = route.params;
-  const search = h("input", { id: "user-search", type: "search", value: p.get("q") || "", autocomplete: "off" });
-  const tierFilter = h("select", { id: "user-tier-filter" }, h("option", { value: "" }, "All tiers"));
-  const sort = h("select", { id: "user-sort" }, Object.entries(SORTS).map(([v, t]) => h("option", { value: v }, t)));
+  const search = h("input", {
+    id: "user-search",
+    type: "search",
+    value: p.get("q") || "",
+    autocomplete: "off",
+  });
+  const tierFilter = h(
+    "select",
+    { id: "user-tier-filter" },
+    h("option", { value: "" }, "All tiers"),
+  );
+  const sort = h(
+    "select",
+    { id: "user-sort" },
+    Object.entries(SORTS).map(([v, t]) => h("option", { value: v }, t)),
+  );
   sort.value = p.get("sort") || "user";
   let page = Math.max(0, Number(p.get("page") || 0) | 0);
   const total = h("p", { id: "users-total", class: "hint", "aria-live": "polite" });
-  const prev = h("button", { type: "button", class: "secondary", id: "users-prev", onclick: () => { page -= 1; changed(false); } }, "← Previous");
-  const next = h("button", { type: "button", class: "secondary", id: "users-next", onclick: () => { page += 1; changed(false); } }, "Next →");
+  const prev = h(
+    "button",
+    {
+      type: "button",
+      class: "secondary",
+      id: "users-prev",
+      onclick: () => {
+        page -= 1;
+        changed(false);
+      },
+    },
+    "← Previous",
+  );
+  const next = h(
+    "button",
+    {
+      type: "button",
+      class: "secondary",
+      id: "users-next",
+      onclick: () => {
+        page += 1;
+        changed(false);
+      },
+    },
+    "Next →",
+  );
   const box = h("div");
-  const filters = h("form", { class: "filters", role: "search", onsubmit: (e) => { e.preventDefault(); changed(); } },
+  const filters = h(
+    "form",
+    {
+      class: "filters",
+      role: "search",
+      onsubmit: (e) => {
+        e.preventDefault();
+        changed();
+      },
+    },
     h("div", { class: "field" }, h("label", { for: "user-search" }, "Search user ids"), search),
     h("div", { class: "field" }, h("label", { for: "user-tier-filter" }, "Tier"), tierFilter),
-    h("div", { class: "field" }, h("label", { for: "user-sort" }, "Sort by"), sort));
+    h("div", { class: "field" }, h("label", { for: "user-sort" }, "Sort by"), sort),
+  );
   let timer = null;
-  search.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(() => changed(), 250); });
+  search.addEventListener("input", () => {
+    clearTimeout(timer);
+    timer = setTimeout(() => changed(), 250);
+  });
   tierFilter.addEventListener("change", () => changed());
   sort.addEventListener("change", () => changed());
 
-  main.replaceChildren(h("h2", { class: "view-title" }, "Users"),
+  main.replaceChildren(
+    h("h2", { class: "view-title" }, "Users"),
     section(writer ? "Find or add a user" : "Find a user", findForm()),
-    section("Configured users", filters, total, box, h("div", { class: "row" }, prev, next)));
+    section("Configured users", filters, total, box, h("div", { class: "row" }, prev, next)),
+  );
   if (writer) main.append(section("Bulk import", bulkForm()));
 
   function findForm() {
-    const id = h("input", { id: "open-user", autocomplete: "off", "data-field": "user", maxlength: 256 });
-    const form = h("form", { id: "open-user-form", class: "row", role: "search" },
-      h("label", { for: "open-user" }, "User id"), id, h("button", { type: "submit" }, "Open user"));
+    const id = h("input", {
+      id: "open-user",
+      autocomplete: "off",
+      "data-field": "user",
+      maxlength: 256,
+    });
+    const form = h(
+      "form",
+      { id: "open-user-form", class: "row", role: "search" },
+      h("label", { for: "open-user" }, "User id"),
+      id,
+      h("button", { type: "submit" }, "Open user"),
+    );
     handleSubmit(form, async () => {
       const user = id.value.trim();
-      if (!user) throw new FieldError("user", "User id: enter the id your clients send as output_rate_user.");
-      if (/[\x00-\x1f\x7f]/.test(user)) throw new FieldError("user", "User id: control characters are not allowed.");
+      if (!user)
+        throw new FieldError(
+          "user",
+          "User id: enter the id your clients send as output_rate_user.",
+        );
+      // biome-ignore lint/suspicious/noControlCharactersInRegex: finding them is the check.
+      if (/[\x00-\x1f\x7f]/.test(user))
+        throw new FieldError("user", "User id: control characters are not allowed.");
       // A viewer only looks: an unconfigured id shows the default that applies to it.
-      if (writer) await openUser(user); else location.hash = link("users", user);
+      if (writer) await openUser(user);
+      else location.hash = link("users", user);
       return null;
     });
     return form;
   }
 
   function bulkForm() {
-    const text = h("textarea", { id: "bulk-text", rows: 5, "data-field": "items", placeholder: "alice,pro,\nbob,,50" });
-    const form = h("form", { id: "bulk-form", class: "stack" },
-      h("p", { class: "hint" }, "One user per line: user id, tier, override tok/s. Each line replaces that user's record: an empty tier or override clears it."),
+    const text = h("textarea", {
+      id: "bulk-text",
+      rows: 5,
+      "data-field": "items",
+      placeholder: "alice,pro,\nbob,,50",
+    });
+    const form = h(
+      "form",
+      { id: "bulk-form", class: "stack" },
+      h(
+        "p",
+        { class: "hint" },
+        "One user per line: user id, tier, override tok/s. " +
+          "Each line replaces that user's record: an empty tier or override clears it.",
+      ),
       h("div", { class: "field" }, h("label", { for: "bulk-text" }, "Lines (CSV)"), text),
-      h("button", { type: "submit" }, "Preview and import"));
+      h("button", { type: "submit" }, "Preview and import"),
+    );
     handleSubmit(form, async () => {
       const items = [];
-      const lines = text.value.split(/\r?\n/).map((l) => l.trim()).filter(Boolean);
+      const lines = text.value
+        .split(/\r?\n/)
+        .map((l) => l.trim())
+        .filter(Boolean);
       lines.forEach((line, i) => {
         const [user = "", tier = "", rate = ""] = line.split(",").map((x) => x.trim());
         if (!user) throw new FieldError("items", `Line ${i + 1}: no user id.`);
         const r = rate === "" ? null : parseRate(rate);
-        if (rate !== "" && r === null) throw new FieldError("items", `Line ${i + 1}: override “${rate}” is not a whole number from 1 to 1,000,000.`);
+        if (rate !== "" && r === null)
+          throw new FieldError(
+            "items",
+            `Line ${i + 1}: override “${rate}” is not a whole number from 1 to 1,000,000.`,
+          );
         items.push({ user, tier: tier || null, output_tokens_per_second: r });
       });
       if (!items.length) throw new FieldError("items", "Lines: enter at least one line.");
       const known = await Promise.all(items.map((i) => isConfigured(i.user)));
       const fresh = known.filter((k) => !k).length;
-      const ok = await confirmEffect(`Import ${plural(items.length, "user")}?`, [
-        `${fmtInt(items.length - fresh)} existing users: their records are replaced.`,
-        `${fmtInt(fresh)} new users are created.`,
-      ], `Import ${plural(items.length, "user")}`);
+      const ok = await confirmEffect(
+        `Import ${plural(items.length, "user")}?`,
+        [
+          `${fmtInt(items.length - fresh)} existing users: their records are replaced.`,
+          `${fmtInt(fresh)} new users are created.`,
+        ],
+        `Import ${plural(items.length, "user")}`,
+      );
       if (!ok) return "Not imported.";
       const result = await api("POST", "/limits:bulk", { items });
       text.value = "";
@@ -109,7 +210,12 @@ export async function render(main, route) {
 
   function changed(resetPage = true) {
     if (resetPage) page = 0;
-    replaceParams("users", null, { q: search.value.trim(), tier: tierFilter.value, sort: sort.value === "user" ? "" : sort.value, page: page || "" });
+    replaceParams("users", null, {
+      q: search.value.trim(),
+      tier: tierFilter.value,
+      sort: sort.value === "user" ? "" : sort.value,
+      page: page || "",
+    });
     refresh();
   }
 
@@ -119,22 +225,55 @@ export async function render(main, route) {
       for (const t of items) tierFilter.append(h("option", { value: t.name }, t.name));
       tierFilter.value = p.get("tier") || "";
     }
-    const params = new URLSearchParams({ limit: String(PAGE), offset: String(page * PAGE), sort: sort.value });
+    const params = new URLSearchParams({
+      limit: String(PAGE),
+      offset: String(page * PAGE),
+      sort: sort.value,
+    });
     if (search.value.trim()) params.set("contains", search.value.trim());
     if (tierFilter.value) params.set("tier", tierFilter.value);
     const { items, total: count } = await api("GET", `/limits?${params}`);
     const first = page * PAGE;
-    total.textContent = `${plural(count, "configured user")}${items.length ? ` (showing ${fmtInt(first + 1)}–${fmtInt(first + items.length)})` : ""}`;
+    const shown = items.length
+      ? ` (showing ${fmtInt(first + 1)}–${fmtInt(first + items.length)})`
+      : "";
+    total.textContent = `${plural(count, "configured user")}${shown}`;
     prev.disabled = page === 0;
     next.disabled = first + items.length >= count;
-    box.replaceChildren(items.length ? table("configured users", ["User", "Tier", "Override", "Effective", "From"], items.map((u) =>
-      h("tr", { dataset: { user: u.user } },
-        h("td", {}, h("a", { href: link("users", u.user), "aria-label": `Open user ${u.user}` }, u.user)),
-        h("td", {}, u.tier || "–"),
-        h("td", {}, u.output_tokens_per_second === null ? "–" : fmtRateUnit(u.output_tokens_per_second)),
-        h("td", {}, fmtRateUnit(u.effective_output_tokens_per_second)),
-        h("td", {}, u.source))), { id: "users" })
-      : h("p", { class: "hint" }, "No configured user matches."));
+    box.replaceChildren(
+      items.length
+        ? table(
+            "configured users",
+            ["User", "Tier", "Override", "Effective", "From"],
+            items.map((u) =>
+              h(
+                "tr",
+                { dataset: { user: u.user } },
+                h(
+                  "td",
+                  {},
+                  h(
+                    "a",
+                    { href: link("users", u.user), "aria-label": `Open user ${u.user}` },
+                    u.user,
+                  ),
+                ),
+                h("td", {}, u.tier || "–"),
+                h(
+                  "td",
+                  {},
+                  u.output_tokens_per_second === null
+                    ? "–"
+                    : fmtRateUnit(u.output_tokens_per_second),
+                ),
+                h("td", {}, fmtRateUnit(u.effective_output_tokens_per_second)),
+                h("td", {}, u.source),
+              ),
+            ),
+            { id: "users" },
+          )
+        : h("p", { class: "hint" }, "No configured user matches."),
+    );
   }
   await refresh();
   return { refresh, interval: 10000 };

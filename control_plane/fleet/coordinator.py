@@ -1,0 +1,164 @@
+"""The fleet allocator at work: fed the limit model and what engines say, on the push
+server's thread; read by REST threads (it is their ``FleetView``).
+
+The push server calls it for every bound engine's message (``heard``, ``on_demand``,
+``on_ack``), after it reads the change log (``refresh``) and on every loop turn
+(``step``), and sends the ``Shares`` frames it returns. The limit model is the one both
+sides use (output_rate_core.limits.LimitModel), kept at the change log's newest
+version; only users some engine reported demand for are given to the allocator.
+
+Epochs: each time an engine (re)joins the allocator it gets a fresh epoch, so its
+share sequence starts over and the engine takes the first full table of the new epoch
+whatever sequence number it held (docs/fleet.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
+from output_rate_core import protocol as p
+from output_rate_core.limits import EVERYONE, FLEET, LimitModel
+
+# Users nobody reports demand for any more are dropped from the tracked set this often.
+TRACKED_SWEEP_INTERVAL_S = 30.0
+
+LoadSnapshot = Callable[[], p.Snapshot]
+LoadChanges = Callable[[int], list[tuple[int, list[dict[str, Any]]]]]
+
+
+class FleetCoordinator:
+    def __init__(
+        self,
+        *,
+        lease_s: float,
+        gone_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
+        self._lock = threading.Lock()
+        self._model = LimitModel()
+        # The change-log version the model is at (None: not loaded yet).
+        self._model_version: int | None = None
+        # Users the allocator was given a limit for.
+        self._tracked: set[str] = set()
+        self._next_sweep = clock() + TRACKED_SWEEP_INTERVAL_S
+        self._epochs = itertools.count(secrets.randbits(40))
+        # engine id -> the epoch of its current membership
+        self._epoch_of: dict[str, int] = {}
+
+    # ---- the push thread ------------------------------------------------------
+
+    @property
+    def num_engines(self) -> int:
+        return max(1, self._allocator.num_engines)
+
+    def refresh(self, load_snapshot: LoadSnapshot, load_changes: LoadChanges) -> None:
+        """Bring the limit model to the change log's newest version."""
+        if self._model_version is not None:
+            changes = load_changes(self._model_version)
+            if not changes:
+                return
+            if changes[0][0] == self._model_version + 1:
+                changed: set[str] | None = set()
+                for version, rows in changes:
+                    for op in p.ops_from_rows(rows):
+                        users = self._model.apply(op)
+                        changed = None if users is EVERYONE or changed is None else changed | users
+                    self._model_version = version
+                with self._lock:
+                    self._retarget(self._tracked if changed is None else changed & self._tracked)
+                return
+        snapshot = load_snapshot()  # first time, or the log was pruned past the model
+        self._model = LimitModel.from_snapshot(snapshot)
+        self._model_version = snapshot.version
+        with self._lock:
+            self._retarget(self._tracked)
+
+    def heard(self, engine_id: str) -> None:
+        with self._lock:
+            self._join(engine_id)
+
+    def on_demand(self, engine_id: str, demand: p.Demand) -> list[tuple[str, p.Shares]]:
+        with self._lock:
+            self._join(engine_id)
+            for user, num_streams in demand.streams.items():
+                if num_streams and user not in self._tracked:
+                    self._tracked.add(user)
+                    self._allocator.set_limit(user, self._limit_of(user))
+            self._allocator.set_demand(engine_id, demand.streams, full=demand.full)
+            frames = self._frames(self._allocator.step())
+            if demand.full:
+                # After a snapshot or a gap the engine asks for everything it holds.
+                frames.append(self._frame(engine_id, self._allocator.full_update(engine_id)))
+            return frames
+
+    def on_ack(self, engine_id: str, ack: p.ShareAck) -> bool:
+        """False: an ack of another epoch (a membership this engine no longer has)."""
+        with self._lock:
+            if self._epoch_of.get(engine_id) != ack.epoch:
+                return False
+            self._allocator.acked(engine_id, ack.seq)
+            return True
+
+    def step(self) -> list[tuple[str, p.Shares]]:
+        with self._lock:
+            frames = self._frames(self._allocator.step())
+            now = self._clock()
+            if now >= self._next_sweep:
+                self._next_sweep = now + TRACKED_SWEEP_INTERVAL_S
+                self._tracked = {u for u in self._tracked if self._allocator.knows_user(u)}
+                self._epoch_of = {
+                    e: epoch
+                    for e, epoch in self._epoch_of.items()
+                    if self._allocator.knows_engine(e)
+                }
+            return frames
+
+    # ---- FleetView (any thread) ---------------------------------------------------
+
+    def shares_of(self, user: str) -> dict[str, int]:
+        with self._lock:
+            return self._allocator.shares_of(user)
+
+    def num_shared_users(self, engine_id: str) -> int:
+        with self._lock:
+            return self._allocator.num_shared_users(engine_id)
+
+    # ---- internals (under the lock) ---------------------------------------------------
+
+    def _join(self, engine_id: str) -> None:
+        if not self._allocator.knows_engine(engine_id):
+            self._epoch_of[engine_id] = next(self._epochs)
+        self._allocator.engine_heard(engine_id)
+
+    def _limit_of(self, user: str) -> int | None:
+        effective = self._model.effective(user)
+        return effective.rate if effective.scope == FLEET else None
+
+    def _retarget(self, users: Iterable[str]) -> None:
+        for user in list(users):
+            self._allocator.set_limit(user, self._limit_of(user))
+
+    def _frames(self, updates: dict[str, ShareUpdate]) -> list[tuple[str, p.Shares]]:
+        return [self._frame(engine_id, update) for engine_id, update in updates.items()]
+
+    def _frame(self, engine_id: str, update: ShareUpdate) -> tuple[str, p.Shares]:
+        epoch = self._epoch_of.get(engine_id)
+        if epoch is None:  # an engine the allocator took on by itself (not heard here)
+            epoch = self._epoch_of[engine_id] = next(self._epochs)
+        message = p.Shares(
+            epoch=epoch,
+            seq=update.seq,
+            lease_ms=max(1, int(update.lease_s * 1000)),
+            num_engines=max(1, update.num_engines),
+            full=update.full,
+            shares=update.shares,
+        )
+        return engine_id, message
