@@ -148,6 +148,47 @@ def test_setting_an_override_keeps_the_tier(admin: Page, served: ControlPlane) -
     expect(admin.locator("#user-effective")).to_contain_text("33 tok/s (from the override)")
 
 
+def test_the_scope_selects_save_and_the_user_page_says_where_its_scope_comes_from(
+    admin: Page, served: ControlPlane
+) -> None:
+    api(served, "PUT", "/limits/scoper", json={"tier": "basic", "output_tokens_per_second": 8})
+    admin.goto(f"{served.url}/ui/#/users/scoper")
+    scope = admin.locator("#user-scope-effective")
+    expect(scope).to_have_text("fleet (inherited from the default: fleet)")
+    expect(admin.locator("#user-scope")).to_have_value("")
+    expect(admin.locator("#user-received")).to_have_text("no engine reports it")
+    admin.select_option("#user-scope", "engine")
+    admin.get_by_role("button", name="Save user scoper").click()
+    toast(admin).to_contain_text("scope inherit → engine; now 8 tok/s (engine scope)")
+    after = limit(served, "scoper")
+    assert (after["scope"], after["effective_scope"]) == ("engine", "engine")
+    assert (after["tier"], after["output_tokens_per_second"]) == ("basic", 8)
+    expect(scope).to_have_text("engine (its own)")
+    expect(admin.locator("#user-shares")).to_contain_text("each engine enforces the full limit")
+
+    # A tier's scope, from its edit form, is what its members without their own get.
+    admin.goto(f"{served.url}/ui/#/tiers")
+    admin.get_by_role("button", name="Edit tier basic").click()
+    admin.select_option("#edit-scope", "engine")
+    admin.get_by_role("button", name="Save tier basic").click()
+    toast(admin).to_contain_text("Tier basic: scope inherit → engine")
+    expect(admin.locator('#tiers tr[data-tier="basic"]')).to_contain_text("engine")
+    assert tier(served, "basic")["scope"] == "engine"
+    api(served, "PATCH", "/limits/scoper", json={"scope": None})
+    admin.goto(f"{served.url}/ui/#/users/scoper")
+    expect(scope).to_have_text("engine (inherited from tier basic: engine)")
+    api(served, "PATCH", "/tiers/basic", json={"scope": None})
+
+
+def test_the_user_page_shows_the_rate_engines_report_now(admin: Page, served: ControlPlane) -> None:
+    # 11 tokens per 0.5 s report from one engine: 22 tok/s.
+    with live_engine(served, "engine-r", {"user-00002": 22}):
+        admin.goto(f"{served.url}/ui/#/users/user-00002")
+        expect(admin.locator("#user-received")).to_have_text(
+            "22.0 tok/s (all engines, last second)"
+        )
+
+
 def test_a_change_for_many_users_states_its_effect_first(admin: Page, served: ControlPlane) -> None:
     count = f"{tier(served, 'pro')['num_users']:,} users"
     assert count.startswith("1,11")  # the seeded 1,114 (other tests may add one)

@@ -20,6 +20,7 @@ const FIELD_WORDS = {
   description: "Description",
   name: "Name",
   user: "User id",
+  scope: "Scope",
 };
 
 // The server's messages name fields and pydantic's rules; say the same in plain words.

@@ -1,7 +1,8 @@
-// Engines: the version each applied, connected or not, last seen.
+// Engines: the version each applied, connected or not, the fleet users it holds a share
+// for, last seen.
 
 import { api } from "../api.js";
-import { fmtTime, h, plural, section, table } from "../dom.js";
+import { fmtInt, fmtTime, h, plural, section, table } from "../dom.js";
 
 export async function render(main) {
   const box = h("div");
@@ -24,7 +25,7 @@ export async function render(main) {
       items.length
         ? table(
             "engines",
-            ["Engine", "Model", "Applied version", "Connected", "Last seen"],
+            ["Engine", "Model", "Applied version", "Connected", "Fleet users shared", "Last seen"],
             items.map((e) =>
               h(
                 "tr",
@@ -39,6 +40,7 @@ export async function render(main) {
                     : String(e.applied_version),
                 ),
                 h("td", {}, e.connected ? "yes" : "no"),
+                h("td", {}, fmtInt(e.num_shared_users)),
                 h("td", {}, fmtTime(e.last_seen)),
               ),
             ),

@@ -5,6 +5,7 @@ import { api, mergePatch, tierPath } from "../api.js";
 import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
 import { confirmEffect, FieldError, handleSubmit, toast } from "../feedback.js";
 import { rateField } from "../rate-field.js";
+import { scopeField, scopeWords } from "../scope-field.js";
 import { canWrite } from "../session.js";
 
 // A rate change for at least this many users is confirmed first.
@@ -23,11 +24,19 @@ export async function render(main) {
   const tiersBox = h("div");
   const editBox = h("div", { id: "tier-edit" });
   let tiers = [];
+  // The default's scope (null: fleet), which tiers without their own inherit.
+  let defaultScope = null;
+  const defaultScopeWords = () => `the default: ${scopeWords(defaultScope, "fleet")}`;
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Tiers and default limit"),
     section(
       "Default limit",
-      h("p", { class: "hint" }, "Users with neither a tier nor an override get this rate."),
+      h(
+        "p",
+        { class: "hint" },
+        "Users with neither a tier nor an override get this rate; " +
+          "users whose tier sets no scope, and users without a tier, get this scope.",
+      ),
       defaultBox,
     ),
     section("Tiers", tiersBox, editBox),
@@ -40,6 +49,11 @@ export async function render(main) {
       legend: "Rate",
       value: tier.output_tokens_per_second,
     });
+    const scope = scopeField({
+      id: "edit-scope",
+      value: tier.scope,
+      inheritLabel: `Inherit (${defaultScopeWords()})`,
+    });
     const description = h("input", {
       id: "edit-description",
       value: tier.description,
@@ -51,6 +65,7 @@ export async function render(main) {
       { id: "tier-edit-form", class: "stack", "aria-labelledby": "tier-edit-title" },
       h("h3", { id: "tier-edit-title", tabindex: "-1" }, `Edit tier ${tier.name}`),
       rate.el,
+      scope.el,
       h(
         "div",
         { class: "field" },
@@ -72,6 +87,8 @@ export async function render(main) {
       const changes = {};
       const newRate = rate.value();
       if (newRate !== tier.output_tokens_per_second) changes.output_tokens_per_second = newRate;
+      const newScope = scope.value();
+      if (newScope !== tier.scope) changes.scope = newScope;
       if (description.value !== tier.description) changes.description = description.value;
       if (!Object.keys(changes).length) return `Tier ${tier.name}: nothing changed.`;
       if (
@@ -98,6 +115,8 @@ export async function render(main) {
           `rate ${fmtRateUnit(tier.output_tokens_per_second)} → ` +
             fmtRateUnit(view.output_tokens_per_second),
         );
+      if ("scope" in changes)
+        said.push(`scope ${scopeWords(tier.scope)} → ${scopeWords(view.scope)}`);
       if ("description" in changes) said.push("description updated");
       return `Tier ${tier.name}: ${said.join(", ")}.`;
     });
@@ -112,6 +131,11 @@ export async function render(main) {
       maxlength: 64,
     });
     const rate = rateField({ id: "new-tier-rate", legend: "Rate", value: null, fresh: true });
+    const scope = scopeField({
+      id: "new-tier-scope",
+      value: null,
+      inheritLabel: "Inherit (the default's)",
+    });
     const description = h("input", {
       id: "new-tier-description",
       "data-field": "description",
@@ -122,6 +146,7 @@ export async function render(main) {
       { id: "tier-create", class: "stack" },
       h("div", { class: "field" }, h("label", { for: "new-tier-name" }, "Name"), name),
       rate.el,
+      scope.el,
       h(
         "div",
         { class: "field" },
@@ -150,6 +175,7 @@ export async function render(main) {
       await api("PUT", tierPath(tierName), {
         output_tokens_per_second: value,
         description: description.value,
+        scope: scope.value(),
       });
       form.reset();
       rate.input.value = "";
@@ -159,43 +185,72 @@ export async function render(main) {
     return form;
   }
 
-  function defaultForm(current) {
+  function defaultForm(current, currentScope) {
     const rate = rateField({ id: "default-rate", legend: "Default rate", value: current });
+    const scope = scopeField({
+      id: "default-scope",
+      value: currentScope,
+      inheritLabel: "Not set (fleet)",
+    });
     const form = h(
       "form",
       { id: "default-form", class: "stack" },
       rate.el,
+      scope.el,
       h("button", { type: "submit" }, "Save default limit"),
     );
     handleSubmit(form, async () => {
       const value = rate.value();
-      if (value === current) return "Default limit: nothing changed.";
-      const ok = await confirmEffect(
-        "Change the default limit?",
-        [
+      const newScope = scope.value();
+      if (value === current && newScope === currentScope) return "Default limit: nothing changed.";
+      const lines = [];
+      if (value !== current)
+        lines.push(
           "Every user without a tier or an override: " +
             `${rateWords(current)} → ${rateWords(value)} tok/s`,
-          "This includes users nobody has configured yet.",
-        ],
-        value === null ? "Make the default unlimited" : `Set the default to ${fmtInt(value)} tok/s`,
+        );
+      if (newScope !== currentScope)
+        lines.push(
+          "Every user without a scope of its own or its tier's: scope " +
+            `${scopeWords(currentScope, "fleet")} → ${scopeWords(newScope, "fleet")}`,
+        );
+      lines.push("This includes users nobody has configured yet.");
+      const ok = await confirmEffect(
+        "Change the default limit?",
+        lines,
+        value === current
+          ? `Set the default scope to ${scopeWords(newScope, "fleet")}`
+          : value === null
+            ? "Make the default unlimited"
+            : `Set the default to ${fmtInt(value)} tok/s`,
       );
       if (!ok) return "Not changed.";
-      await api("PUT", "/default-limit", { output_tokens_per_second: value });
-      await refreshDefault(true);
-      return `Default limit: ${fmtRateUnit(current)} → ${fmtRateUnit(value)}.`;
+      await api("PUT", "/default-limit", { output_tokens_per_second: value, scope: newScope });
+      await refresh(true);
+      const said = [];
+      if (value !== current) said.push(`${fmtRateUnit(current)} → ${fmtRateUnit(value)}`);
+      if (newScope !== currentScope)
+        said.push(`scope ${scopeWords(currentScope, "fleet")} → ${scopeWords(newScope, "fleet")}`);
+      return `Default limit: ${said.join(", ")}.`;
     });
     return form;
   }
 
   let shownDefault;
   async function refreshDefault(force = false) {
-    const { output_tokens_per_second: rate } = await api("GET", "/default-limit");
-    if (!force && rate === shownDefault) return;
-    shownDefault = rate;
+    const { output_tokens_per_second: rate, scope } = await api("GET", "/default-limit");
+    defaultScope = scope;
+    const key = JSON.stringify([rate, scope]);
+    if (!force && key === shownDefault) return;
+    shownDefault = key;
     defaultBox.replaceChildren(
       ...[
-        h("p", { id: "default-current" }, `Now: ${fmtRateUnit(rate)}`),
-        writer ? defaultForm(rate) : null,
+        h(
+          "p",
+          { id: "default-current" },
+          `Now: ${fmtRateUnit(rate)}, scope ${scopeWords(scope, "fleet")}`,
+        ),
+        writer ? defaultForm(rate, scope) : null,
       ].filter(Boolean),
     );
   }
@@ -224,20 +279,25 @@ export async function render(main) {
     await refresh();
   }
 
-  async function refresh() {
-    const [{ items }] = await Promise.all([api("GET", "/tiers"), refreshDefault()]);
+  async function refresh(forceDefault = false) {
+    const [{ items }] = await Promise.all([api("GET", "/tiers"), refreshDefault(forceDefault)]);
     tiers = items;
     tiersBox.replaceChildren(
       items.length
         ? table(
             "tiers",
-            ["Name", "Rate", "Description", "Users", ...(writer ? ["Actions"] : [])],
+            ["Name", "Rate", "Scope", "Description", "Users", ...(writer ? ["Actions"] : [])],
             items.map((t) =>
               h(
                 "tr",
                 { dataset: { tier: t.name } },
                 h("td", {}, t.name),
                 h("td", {}, fmtRateUnit(t.output_tokens_per_second)),
+                h(
+                  "td",
+                  {},
+                  t.scope ?? `${scopeWords(defaultScope, "fleet")} (inherited from the default)`,
+                ),
                 h("td", {}, t.description || ""),
                 h("td", {}, fmtInt(t.num_users)),
                 writer

@@ -1,16 +1,19 @@
-// One user's page: the record, a form that changes only what was changed (merge patch),
-// removal with its effect stated, the rate against the limit over time, its audit trail.
+// One user's page: the record, its scope and the shares engines hold of a fleet limit, a
+// form that changes only what was changed (merge patch), removal with its effect stated,
+// the rate against the limit over time, its audit trail.
 
 import { api, mergePatch, userPath } from "../api.js";
 import { historyChart } from "../chart.js";
-import { fmtRateUnit, h, section } from "../dom.js";
+import { fmtRateUnit, h, section, table } from "../dom.js";
 import { confirmEffect, handleSubmit, toast } from "../feedback.js";
 import { rateField } from "../rate-field.js";
 import { link, replaceParams } from "../router.js";
+import { scopeField, scopeWords } from "../scope-field.js";
 import { canWrite } from "../session.js";
 import { auditTable } from "./audit.js";
 
 const overrideWords = (rate) => (rate === null ? "none" : fmtRateUnit(rate));
+const fmtTokens = (rate) => `${rate.toFixed(1)} tok/s`;
 
 export async function render(main, route) {
   const user = route.arg;
@@ -18,6 +21,7 @@ export async function render(main, route) {
   const summary = h("div", { id: "user-summary" });
   const formBox = h("div");
   const auditBox = h("div");
+  const sharesBox = h("div", { id: "user-shares" });
   const chart = historyChart({
     user,
     range: route.params.get("range") || "1h",
@@ -27,12 +31,14 @@ export async function render(main, route) {
     h("p", {}, h("a", { href: link("users") }, "← All users")),
     h("h2", { class: "view-title" }, `User ${user}`),
     section("Limit", summary, formBox),
+    section("Fleet shares", sharesBox),
     section("Rate against the limit", chart.el),
     section("Changes to this user", auditBox),
   );
 
   let tiers = [];
   let defaultRate = null;
+  let defaultScope = null;
   let shown = null;
 
   const effective = (tier, override) =>
@@ -41,6 +47,14 @@ export async function render(main, route) {
       : tier !== null
         ? (tiers.find((t) => t.name === tier)?.output_tokens_per_second ?? null)
         : defaultRate;
+
+  // Where an inherited scope comes from: the user's tier if it sets one, else the default.
+  const inheritedFrom = (tierName) => {
+    const tierScope = tiers.find((t) => t.name === tierName)?.scope ?? null;
+    return tierScope !== null
+      ? `tier ${tierName}: ${tierScope}`
+      : `the default: ${scopeWords(defaultScope, "fleet")}`;
+  };
 
   function form(view) {
     const tier = h(
@@ -58,11 +72,17 @@ export async function render(main, route) {
       value: view.output_tokens_per_second,
       noneLabel: "No override (the tier's or the default rate)",
     });
+    const scope = scopeField({
+      id: "user-scope",
+      value: view.scope,
+      inheritLabel: `Inherit (${inheritedFrom(view.tier)})`,
+    });
     const el = h(
       "form",
       { id: "user-form", class: "stack" },
       h("div", { class: "field" }, h("label", { for: "user-tier" }, "Tier"), tier),
       override.el,
+      scope.el,
       h(
         "div",
         { class: "row" },
@@ -85,9 +105,11 @@ export async function render(main, route) {
       const changes = {};
       const newTier = tier.value || null;
       const newOverride = override.value();
+      const newScope = scope.value();
       if (newTier !== view.tier) changes.tier = newTier;
       if (newOverride !== view.output_tokens_per_second)
         changes.output_tokens_per_second = newOverride;
+      if (newScope !== view.scope) changes.scope = newScope;
       if (!Object.keys(changes).length) return `User ${user}: nothing changed.`;
       const before = view.effective_output_tokens_per_second;
       const after = effective(newTier, newOverride);
@@ -108,8 +130,10 @@ export async function render(main, route) {
           `override ${overrideWords(view.output_tokens_per_second)} → ` +
             overrideWords(result.output_tokens_per_second),
         );
+      if ("scope" in changes)
+        said.push(`scope ${scopeWords(view.scope)} → ${scopeWords(result.scope)}`);
       const now = fmtRateUnit(result.effective_output_tokens_per_second);
-      return `User ${user}: ${said.join(", ")}; now ${now}.`;
+      return `User ${user}: ${said.join(", ")}; now ${now} (${result.effective_scope} scope).`;
     });
     return el;
   }
@@ -151,6 +175,7 @@ export async function render(main, route) {
     view.configured = list.items.length > 0 && list.items[0].user === user;
     tiers = tierList.items;
     defaultRate = def.output_tokens_per_second;
+    defaultScope = def.scope;
     summary.replaceChildren(
       ...[
         h(
@@ -172,6 +197,22 @@ export async function render(main, route) {
               ? "none"
               : fmtRateUnit(view.output_tokens_per_second),
           ),
+          h("dt", {}, "Scope"),
+          h(
+            "dd",
+            { id: "user-scope-effective" },
+            view.scope === null
+              ? `${view.effective_scope} (inherited from ${inheritedFrom(view.tier)})`
+              : `${view.effective_scope} (its own)`,
+          ),
+          h("dt", {}, "Received now"),
+          h(
+            "dd",
+            { id: "user-received" },
+            view.received_output_tokens_per_second === null
+              ? "no engine reports it"
+              : `${fmtTokens(view.received_output_tokens_per_second)} (all engines, last second)`,
+          ),
         ),
         view.configured
           ? null
@@ -182,6 +223,7 @@ export async function render(main, route) {
             ),
       ].filter(Boolean),
     );
+    sharesBox.replaceChildren(sharesView(view));
     auditBox.replaceChildren(
       audit.items.length
         ? auditTable(audit.items, `changes to ${user}`)
@@ -190,8 +232,10 @@ export async function render(main, route) {
     const key = JSON.stringify([
       view.tier,
       view.output_tokens_per_second,
+      view.scope,
       view.configured,
-      tiers.map((t) => [t.name, t.output_tokens_per_second]),
+      defaultScope,
+      tiers.map((t) => [t.name, t.output_tokens_per_second, t.scope]),
     ]);
     // The open form keeps what the operator typed unless the record changed.
     if (writer && (force || key !== shown)) {
@@ -199,6 +243,32 @@ export async function render(main, route) {
       formBox.replaceChildren(form(view));
     }
   }
+  function sharesView(view) {
+    if (view.effective_output_tokens_per_second === null)
+      return h("p", { class: "hint" }, "Unlimited: no engine holds a share.");
+    if (view.effective_scope === "engine")
+      return h("p", { class: "hint" }, "Engine scope: each engine enforces the full limit.");
+    if (!view.shares.length)
+      return h(
+        "p",
+        { class: "hint" },
+        "No engine holds a share now: engines serving the user start on an even part of the limit.",
+      );
+    return table(
+      `shares of ${user}'s limit per engine`,
+      ["Engine", "Share"],
+      view.shares.map((share) =>
+        h(
+          "tr",
+          { dataset: { engine: share.engine_id } },
+          h("td", {}, share.engine_id),
+          h("td", {}, fmtTokens(share.output_tokens_per_second)),
+        ),
+      ),
+      { id: "user-shares-table" },
+    );
+  }
+
   await Promise.all([refresh(true), chart.refresh()]);
   let ticks = 0;
   return {

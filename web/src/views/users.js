@@ -19,6 +19,8 @@ const SORTS = {
   override: "Override low→high",
 };
 
+const SCOPES = ["fleet", "engine"];
+
 // Whether `user` is configured (has a row): the first id at or after it, by prefix.
 export async function isConfigured(user) {
   const { items } = await api("GET", `/limits?${new URLSearchParams({ q: user, limit: "1" })}`);
@@ -157,7 +159,7 @@ export async function render(main, route) {
       id: "bulk-text",
       rows: 5,
       "data-field": "items",
-      placeholder: "alice,pro,\nbob,,50",
+      placeholder: "alice,pro,\nbob,,50,engine",
     });
     const form = h(
       "form",
@@ -165,8 +167,9 @@ export async function render(main, route) {
       h(
         "p",
         { class: "hint" },
-        "One user per line: user id, tier, override tok/s. " +
-          "Each line replaces that user's record: an empty tier or override clears it.",
+        "One user per line: user id, tier, override tok/s, scope (fleet or engine). " +
+          "Each line replaces that user's record: an empty tier, override or scope clears it " +
+          "(no scope: the tier's or the default's).",
       ),
       h("div", { class: "field" }, h("label", { for: "bulk-text" }, "Lines (CSV)"), text),
       h("button", { type: "submit" }, "Preview and import"),
@@ -178,7 +181,7 @@ export async function render(main, route) {
         .map((l) => l.trim())
         .filter(Boolean);
       lines.forEach((line, i) => {
-        const [user = "", tier = "", rate = ""] = line.split(",").map((x) => x.trim());
+        const [user = "", tier = "", rate = "", scope = ""] = line.split(",").map((x) => x.trim());
         if (!user) throw new FieldError("items", `Line ${i + 1}: no user id.`);
         const r = rate === "" ? null : parseRate(rate);
         if (rate !== "" && r === null)
@@ -186,7 +189,12 @@ export async function render(main, route) {
             "items",
             `Line ${i + 1}: override “${rate}” is not a whole number from 1 to 1,000,000.`,
           );
-        items.push({ user, tier: tier || null, output_tokens_per_second: r });
+        if (scope !== "" && !SCOPES.includes(scope))
+          throw new FieldError(
+            "items",
+            `Line ${i + 1}: scope “${scope}” is not “fleet” or “engine” (or empty: inherit).`,
+          );
+        items.push({ user, tier: tier || null, output_tokens_per_second: r, scope: scope || null });
       });
       if (!items.length) throw new FieldError("items", "Lines: enter at least one line.");
       const known = await Promise.all(items.map((i) => isConfigured(i.user)));
@@ -244,7 +252,7 @@ export async function render(main, route) {
       items.length
         ? table(
             "configured users",
-            ["User", "Tier", "Override", "Effective", "From"],
+            ["User", "Tier", "Override", "Effective", "From", "Scope"],
             items.map((u) =>
               h(
                 "tr",
@@ -268,6 +276,11 @@ export async function render(main, route) {
                 ),
                 h("td", {}, fmtRateUnit(u.effective_output_tokens_per_second)),
                 h("td", {}, u.source),
+                h(
+                  "td",
+                  {},
+                  u.scope === null ? `${u.effective_scope} (inherited)` : u.effective_scope,
+                ),
               ),
             ),
             { id: "users" },
