@@ -109,7 +109,9 @@ def seed_users(db_url: str, num_users: int) -> None:
     step = MAX_BULK_ITEMS
     for start in range(0, num_users, step):
         items = [
-            (f"user-{i:07d}", None if i % 3 else i % 1000 + 1, "free" if i % 2 else None)
+            limits.UserItem(
+                f"user-{i:07d}", None if i % 3 else i % 1000 + 1, "free" if i % 2 else None
+            )
             for i in range(start, min(num_users, start + step))
         ]
         db.write_now(limits.bulk_put_limits, actor="bench", items=items)
