@@ -161,7 +161,10 @@ def running(tmp_path: Path) -> Iterator[ControlPlane]:
 def test_engines_survive_kill_9_and_converge_after_restart(tmp_path: Path) -> None:
     with running(tmp_path) as cp:
         assert cp.http.put("/tiers/free", json={"output_tokens_per_second": 20}).status_code == 200
-        assert cp.http.put("/default-limit", json={"output_tokens_per_second": 50}).is_success
+        # Engine scope: each engine enforces the full rates this test checks (fleet-scoped
+        # limits would be split over its three engines, tests/control_plane/fleet cover that).
+        default = {"output_tokens_per_second": 50, "scope": "engine"}
+        assert cp.http.put("/default-limit", json=default).is_success
         for user, body in {"a": {"tier": "free"}, "b": {"output_tokens_per_second": 7}}.items():
             assert cp.http.put(f"/limits/{user}", json=body).status_code == 200
         engines = [Engine(cp, f"engine-{i}") for i in range(3)]
