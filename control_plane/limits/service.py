@@ -141,7 +141,7 @@ def get_limit_detail(
 ) -> LimitDetail:
     """The user's view with the shares engines hold and the rate they report now."""
     view = get_limit(conn, user=user)
-    received = next((u.tokens_per_s_1s for u in usage.totals() if u.user == user), None)
+    received = usage.rate_1s(user)
     return LimitDetail(
         **view.model_dump(exclude={"shares"}),
         shares=shares_view(view, fleet),

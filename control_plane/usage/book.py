@@ -27,6 +27,8 @@ from output_rate_core import protocol as p
 
 WINDOW_S = 10.0
 SHORT_WINDOW_S = 1.0
+# The short window reads each engine's latest report if it arrived within this long.
+SHORT_REACH_S = SHORT_WINDOW_S + p.HEARTBEAT_INTERVAL_S
 # Engines report about once a second: twice that in the window is plenty.
 MAX_REPORTS_PER_ENGINE = int(2 * WINDOW_S / p.HEARTBEAT_INTERVAL_S)
 MAX_TRACKED_USERS = 50_000
@@ -51,12 +53,20 @@ class UsageSource(Protocol):
         """Seconds since each engine's last usage report."""
         ...
 
+    def rate_1s(self, user: str) -> float | None:
+        """One user's tokens/s over the short window, as `totals` has it (None: no report
+        in the window names the user); without computing everyone's."""
+        ...
+
 
 class NoUsage:
     """The usage source of an app without a push endpoint: nothing is reported."""
 
     def totals(self) -> list[UserUsage]:
         return []
+
+    def rate_1s(self, user: str) -> float | None:
+        return None
 
     def report_ages(self) -> dict[str, float]:
         return {}
@@ -142,7 +152,7 @@ class UsageBook:
         for reports in per_engine:
             self._add_rates(reports, now - WINDOW_S, granted_10)
             # The short window: the engine's latest report, if it is recent.
-            self._add_rates(reports[-1:], now - SHORT_WINDOW_S - p.HEARTBEAT_INTERVAL_S, granted_1)
+            self._add_rates(reports[-1:], now - SHORT_REACH_S, granted_1)
             for _, report in reports:
                 for user, n in report.granted.items():
                     g, t = steps.get(user, (0, 0))
@@ -160,14 +170,35 @@ class UsageBook:
             for user, (g, t) in sorted(steps.items())
         ]
 
+    def rate_1s(self, user: str) -> float | None:
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            if user not in self._users:
+                return None
+            latest = [reports[-1] for reports in self._reports.values() if reports]
+        rate: dict[str, float] = {}
+        for report in latest:
+            self._add_rates([report], now - SHORT_REACH_S, rate, only=user)
+        return rate.get(user, 0.0)
+
     @staticmethod
     def _add_rates(
-        reports: list[tuple[float, p.Usage]], since: float, into: dict[str, float]
+        reports: list[tuple[float, p.Usage]],
+        since: float,
+        into: dict[str, float],
+        *,
+        only: str | None = None,
     ) -> None:
+        """Add each user's (only `only`'s) granted tokens over the time the reports
+        received since `since` cover."""
         recent = [r for received, r in reports if received >= since]
         covered = sum(r.interval_s for r in recent)
         if not covered:
             return
         for report in recent:
-            for user, n in report.granted.items():
+            granted = report.granted
+            if only is not None:
+                granted = {only: granted[only]} if only in granted else {}
+            for user, n in granted.items():
                 into[user] = into.get(user, 0.0) + n / covered

@@ -35,3 +35,19 @@ def test_rates_are_summed_over_engines_and_windows_expire() -> None:
     assert a.tokens_per_s_1s == 0.0 and a.tokens_per_s_10s > 0
     clock.now += 10.0
     assert book.totals() == []
+
+
+def test_one_users_rate_is_what_totals_says_of_it() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    for second in range(6):
+        clock.now += 1.0
+        book.add(p.Usage("e1", 1.0, {"a": 20 + second, "b": 3}, {"c": 1}))
+        book.add(p.Usage("e2", 0.5, {"a": 4, "d": 1 + second}, {}))
+    for elapsed in (0.0, 1.5, 2.5, 11.0):
+        clock.now += elapsed
+        totals = {u.user: u.tokens_per_s_1s for u in book.totals()}
+        assert {user: book.rate_1s(user) for user in "abcdz"} == {
+            user: totals.get(user) for user in "abcdz"
+        }
+    assert book.rate_1s("a") is None  # every report has left the window
