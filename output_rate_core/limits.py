@@ -127,6 +127,8 @@ class LimitModel:
         if isinstance(op, p.DeleteTier):
             self.tiers.pop(op.name, None)
             return set(self.members.pop(op.name, set()))
+        if isinstance(op, p.SetKey | p.DeleteKey):
+            return set()  # an API key changes who a caller is, not anyone's limit
         self.default_rate, self.default_scope = op.rate, op.scope
         return EVERYONE
 

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from output_rate_core import ids
+from output_rate_core import ids, keys
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
@@ -50,18 +50,27 @@ RESYNC = 7
 DEMAND = 8
 SHARES = 9
 SHARE_ACK = 10
+KEY_USE = 11
 
 # Fleet shares (docs/fleet.md) are in milli-tokens/s, so that an engine with demand
 # always holds a share (>= 1) and shares sum exactly to a limit.
 MILLI = 1000
 # Largest share: a whole limit.
 MAX_SHARE = MAX_RATE * MILLI
+# An API server reports at most this many keys' last use in one message.
+MAX_KEY_USES = 10_000
+KEY_USE_INTERVAL_S = 5.0
 # An engine reports at most this many users' demand in one message.
 MAX_DEMAND_USERS = MAX_USAGE_USERS
 MAX_LEASE_MS = 3_600_000
 
 Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
 Scope = Literal["fleet", "engine"]
+# Who a connection is: an engine core (limits, usage, demand, shares), or the API server
+# of an engine in --output-rate-identity api-key mode (API keys only; docs/identity.md).
+Role = Literal["engine", "api"]
+ENGINE_ROLE: Role = "engine"
+API_ROLE: Role = "api"
 # milli-tokens/s; 0: no share (the engine holds none for that user).
 Share = Annotated[int, msgspec.Meta(ge=0, le=MAX_SHARE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -80,6 +89,8 @@ UserId = Annotated[
     str,
     msgspec.Meta(min_length=1, max_length=ids.MAX_USER_ID_LEN, pattern=ids.USER_ID_PATTERN),
 ]
+KeyId = Annotated[str, msgspec.Meta(pattern=keys.KEY_ID_PATTERN)]
+KeyHash = Annotated[str, msgspec.Meta(pattern=keys.KEY_HASH_PATTERN)]
 
 
 # ---- the ops of a delta (the rows of config_changes.ops) ----------------------
@@ -113,7 +124,21 @@ class SetDefault(msgspec.Struct, frozen=True, tag_field="op", tag="set_default")
     scope: Scope | None = None
 
 
-Op = SetUser | DeleteUser | SetTier | DeleteTier | SetDefault
+class SetKey(msgspec.Struct, frozen=True, tag_field="op", tag="set_key"):
+    """An API key of ``user`` (output_rate_core/keys.py); only its hash travels."""
+
+    id: KeyId
+    user: Name
+    hash: KeyHash
+
+
+class DeleteKey(msgspec.Struct, frozen=True, tag_field="op", tag="delete_key"):
+    id: KeyId
+
+
+LimitOp = SetUser | DeleteUser | SetTier | DeleteTier | SetDefault
+KeyOp = SetKey | DeleteKey
+Op = LimitOp | KeyOp
 
 
 # ---- messages -----------------------------------------------------------------
@@ -123,6 +148,10 @@ class Hello(msgspec.Struct, frozen=True):
     engine_id: EngineId
     model: ModelName
     version: Version
+    # An engine's API server connects with its engine's id and role "api": one connection
+    # per (engine id, role); it gets the keys only (its snapshot has no limits, and its
+    # deltas carry only key ops, with every version kept so gaps still show).
+    role: Role = ENGINE_ROLE
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -137,6 +166,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     user_scopes: dict[Name, Scope] = {}
     # Live engines in the fleet (the engine's safe share divides fleet limits by it).
     num_engines: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # API key id -> (user, hash of the key); only in snapshots for the "api" role.
+    keys: dict[KeyId, tuple[Name, KeyHash]] = {}
 
 
 class Delta(msgspec.Struct, frozen=True):
@@ -205,7 +236,28 @@ class ShareAck(msgspec.Struct, frozen=True):
     seq: Seq
 
 
-Message = Hello | Snapshot | Delta | Ack | Heartbeat | Usage | Resync | Demand | Shares | ShareAck
+class KeyUse(msgspec.Struct, frozen=True):
+    """API server -> control plane, about every KEY_USE_INTERVAL_S while keys are used:
+    when each key was last used (Unix seconds), for ``last_used_at``."""
+
+    engine_id: EngineId
+    # key id -> last use (Unix seconds)
+    used: dict[KeyId, Annotated[float, msgspec.Meta(ge=0, le=2**40)]]
+
+
+Message = (
+    Hello
+    | Snapshot
+    | Delta
+    | Ack
+    | Heartbeat
+    | Usage
+    | Resync
+    | Demand
+    | Shares
+    | ShareAck
+    | KeyUse
+)
 
 TYPES: dict[int, type[Message]] = {
     HELLO: Hello,
@@ -218,6 +270,7 @@ TYPES: dict[int, type[Message]] = {
     DEMAND: Demand,
     SHARES: Shares,
     SHARE_ACK: ShareAck,
+    KEY_USE: KeyUse,
 }
 TYPE_OF: dict[type[Message], int] = {cls: code for code, cls in TYPES.items()}
 
@@ -247,6 +300,8 @@ def decode(frame: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         check_usage_bounds(message)
     elif isinstance(message, Demand) and len(message.streams) > MAX_DEMAND_USERS:
         raise ProtocolError(f"demand report names over {MAX_DEMAND_USERS} users")
+    elif isinstance(message, KeyUse) and len(message.used) > MAX_KEY_USES:
+        raise ProtocolError(f"key use report names over {MAX_KEY_USES} keys")
     elif isinstance(message, Heartbeat) and message.engine_id:
         try:
             ids.check_engine_id(message.engine_id)

@@ -9,6 +9,7 @@ from output_rate_core import protocol as p
 
 MESSAGES: list[p.Message] = [
     p.Hello("engine-1", "tiny", 7),
+    p.Hello("engine-1", "tiny", 7, role="api"),
     p.Snapshot(
         version=12,
         default_rate=None,
@@ -26,8 +27,14 @@ MESSAGES: list[p.Message] = [
             p.DeleteTier("old"),
             p.SetDefault(None),
             p.SetDefault(1),
+            p.SetKey("abcdefgh2345", "a", "0" * 64),
+            p.DeleteKey("abcdefgh2345"),
         ],
     ),
+    p.Snapshot(
+        version=3, default_rate=5, tiers={}, users={}, keys={"abcdefgh2345": ("a", "f" * 64)}
+    ),
+    p.KeyUse("engine-1", {"abcdefgh2345": 1_790_000_000.5}),
     p.Ack("engine-1", 13),
     p.Heartbeat(13),
     p.Heartbeat(13, "engine-1", "tiny"),
