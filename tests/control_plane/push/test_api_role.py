@@ -31,6 +31,7 @@ from control_plane.usage.book import UsageBook
 from output_rate_core import keys as key_format
 from output_rate_core import protocol as p
 from tests.control_plane.factories import ADMIN_TOKEN, fresh_database, make_settings
+from tests.control_plane.served import serve
 
 WAIT_S = 20.0
 BUCKET = TokenBucket(per_minute=1_000_000, burst=1_000_000)
@@ -429,3 +430,37 @@ def test_key_deltas_reach_a_busy_api_server_in_order(
     versions = [api.next(p.Delta).version for _ in range(30)]
     writer.join()
     assert versions == list(range(1, 31))
+
+
+def test_a_served_control_plane_records_key_use_and_flushes_it_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    with fresh_database("sqlite", tmp_path) as url:
+        with serve(url, tmp_path) as served, served.client() as api:
+            made = api.post("/users/alice/keys").json()
+            peer = Peer(served.zmq_endpoint)
+            try:
+                peer.send(p.Hello("e1", "", 0, role=p.API_ROLE))
+                assert made["id"] in peer.next(p.Snapshot).keys
+                first = time.time() - 10
+                peer.send(p.KeyUse("e1", {made["id"]: first}))
+
+                def last_used() -> str | None:
+                    items = api.get("/users/alice/keys").json()["items"]
+                    return items[0]["last_used_at"]
+
+                shown = wait_for(last_used, "last_used_at over REST")
+                assert abs(datetime.fromisoformat(shown).timestamp() - first) < 0.01
+                peer.send(p.KeyUse("e1", {made["id"]: first + 5}))
+                time.sleep(0.5)  # received; within the minute, so only pending
+                assert last_used() == shown
+            finally:
+                peer.close()
+        # SIGTERM: the shutdown wrote what was pending.
+        database = Database(make_engine(url))
+        try:
+            row = database.read_now(keys.list_keys, user="alice").items[0]
+            assert row.last_used_at is not None
+            assert abs(row.last_used_at.timestamp() - (first + 5)) < 0.01
+        finally:
+            database.dispose()
