@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,8 @@ from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
+from control_plane.replicas.notify import ChangeListener, current_channel
+from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
 from control_plane.tokens import routes as token_routes
 from control_plane.usage import routes as usage_routes
@@ -136,15 +138,38 @@ def create_app(
     return app
 
 
-@dataclass(frozen=True)
+@dataclass
 class Served:
-    """What `output-rate serve` runs: the app, and beside it the push endpoint and the
-    usage history (started and closed by the caller)."""
+    """What `output-rate serve` runs: the app, and beside it the push endpoint, the usage
+    history and, on PostgreSQL, the LISTEN session that wakes the push thread when another
+    replica commits a change (started and closed by the caller)."""
 
     app: FastAPI
     db: Database
     push: PushServer
     history: UsageRecorder
+    database_url: str
+    listener: ChangeListener | None = None
+    _sqlite_lock: IO[str] | None = None
+
+    def start(self) -> None:
+        """Raises AnotherReplica when another serve holds this SQLite database."""
+        self._sqlite_lock = hold_sqlite_lock(self.database_url)
+        self.push.start()
+        self.history.start()
+        if self.db.engine.dialect.name == "postgresql":
+            with self.db.engine.connect() as conn:
+                channel = current_channel(conn)
+            self.listener = ChangeListener(self.db.engine, channel, self.push.notify)
+            self.listener.start()
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        self.push.close()
+        self.history.close()
+        if self._sqlite_lock is not None:
+            self._sqlite_lock.close()
 
 
 def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> Served:
@@ -169,4 +194,4 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
     app.router.on_shutdown.append(history.close)
-    return Served(app=app, db=db, push=push, history=history)
+    return Served(app=app, db=db, push=push, history=history, database_url=settings.database_url)

@@ -46,6 +46,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from control_plane.app import create_served_app
+    from control_plane.replicas.single import AnotherReplica
 
     if settings.admin_token is None and not args.insecure_no_auth:
         print(
@@ -60,8 +61,11 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     # create_app logs the loud warning when authentication is off.
     served = create_served_app(settings, insecure_no_auth=args.insecure_no_auth)
     # The live push endpoint (control_plane/push) runs beside the API and stops with it.
-    served.push.start()
-    served.history.start()
+    try:
+        served.start()
+    except AnotherReplica as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
         startup_summary(settings, host, port, served.push.endpoint, auth=not args.insecure_no_auth),
         file=sys.stderr,
@@ -77,8 +81,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
             access_log=args.access_log,
         )
     finally:
-        served.push.close()
-        served.history.close()
+        served.close()
     return 0
 
 

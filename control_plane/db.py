@@ -31,9 +31,11 @@ from functools import partial
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Connection, create_engine, event
+from sqlalchemy import Connection, create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
+
+from control_plane.replicas import notify
 
 logger = logging.getLogger("control_plane")
 
@@ -166,6 +168,9 @@ class Database:
         self._inline = threading.local()
         self._inline_connections: list[Connection] = []
         self._inline_lock = threading.Lock()
+        # PostgreSQL: config writes NOTIFY this channel (replicas/notify.py; set on first use).
+        self._announces = engine.dialect.name == "postgresql"
+        self.change_channel: str | None = None
 
     async def run(self, fn: Service[P, T], /, *a: P.args, **kw: P.kwargs) -> T:
         """Run a service in one transaction, where its policy says."""
@@ -266,7 +271,13 @@ class Database:
         finally:
             conn.execution_options(**{WRITE_OPTION: False, NO_WAIT_OPTION: False})
         with transaction:
-            return work(conn)
+            result = work(conn)
+            if self._announces and isinstance(result, ConfigChange) and result.new_version:
+                # Delivered at commit: every replica's push thread wakes (replicas/notify.py).
+                if self.change_channel is None:
+                    self.change_channel = notify.current_channel(conn)
+                notify.announce(conn, self.change_channel, result.new_version)
+            return result
 
     def _after_commit(self, result: object) -> None:
         if isinstance(result, ConfigChange) and result.new_version is not None:
@@ -278,6 +289,11 @@ class Database:
                 hook(version)
             except Exception:  # a hook must never fail a committed write
                 logger.exception("on_commit hook %r failed for version %d", hook, version)
+
+    def ping(self) -> None:
+        """One round trip to the database (readiness); raises when it is unreachable."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
 
     def dispose(self) -> None:
         self._writer.shutdown(wait=True)

@@ -3,7 +3,7 @@ OpenAPI schema says about errors and merge-patch bodies."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,11 @@ class SessionOut(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "unready"]
+    database: Literal["ok", "unreachable"]
 
 
 # OpenAPI: the errors of every route (each domain's router), and of some.

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     share_gone_after_s: float | None = Field(default=None, le=86_400.0)
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
+    # Seconds between the push thread's reads of the change log: the safety net under the
+    # wake-ups (this process's commits; other replicas' through PostgreSQL NOTIFY).
+    push_poll_interval_s: float = Field(default=1.0, ge=0.05, le=60.0)
 
     @field_validator("admin_token")
     @classmethod
