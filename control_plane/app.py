@@ -30,6 +30,7 @@ from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
+from control_plane.replicas.lease import LeaseKeeper, default_replica_id
 from control_plane.replicas.notify import ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
@@ -63,6 +64,7 @@ def create_app(
     usage_source: UsageSource | None = None,
     fleet: FleetView | None = None,
     collectors: Iterable[Collector] = (),
+    lease: LeaseKeeper | None = None,
 ) -> FastAPI:
     """The API on an already migrated database (`output-rate db upgrade`): on `db` (by
     default its own, on settings.database_url), showing `usage_source` as live usage (by
@@ -91,6 +93,7 @@ def create_app(
         fleet=NoFleet() if fleet is None else fleet,
         metrics=metrics,
         insecure_no_auth=insecure_no_auth,
+        lease=lease,
     )
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
@@ -148,6 +151,7 @@ class Served:
     db: Database
     push: PushServer
     history: UsageRecorder
+    lease: LeaseKeeper
     database_url: str
     listener: ChangeListener | None = None
     _sqlite_lock: IO[str] | None = None
@@ -155,6 +159,7 @@ class Served:
     def start(self) -> None:
         """Raises AnotherReplica when another serve holds this SQLite database."""
         self._sqlite_lock = hold_sqlite_lock(self.database_url)
+        self.lease.start()
         self.push.start()
         self.history.start()
         if self.db.engine.dialect.name == "postgresql":
@@ -168,6 +173,7 @@ class Served:
             self.listener.close()
         self.push.close()
         self.history.close()
+        self.lease.close()
         if self._sqlite_lock is not None:
             self._sqlite_lock.close()
 
@@ -183,6 +189,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet)
     db.on_commit.append(push.notify)
     history = UsageRecorder(db, retention_days=settings.usage_retention_days)
+    lease = LeaseKeeper(db, holder=settings.replica_id or default_replica_id())
     book.on_report.append(history.add)
     app = create_app(
         settings,
@@ -191,7 +198,15 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         usage_source=book,
         fleet=fleet,
         collectors=[PushCollector(push), UsageCollector(book)],
+        lease=lease,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
     app.router.on_shutdown.append(history.close)
-    return Served(app=app, db=db, push=push, history=history, database_url=settings.database_url)
+    return Served(
+        app=app,
+        db=db,
+        push=push,
+        history=history,
+        lease=lease,
+        database_url=settings.database_url,
+    )

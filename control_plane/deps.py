@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from control_plane.db import Database
 from control_plane.fleet.view import FleetView
 from control_plane.metrics import Metrics
+from control_plane.replicas.lease import LeaseKeeper
 from control_plane.settings import Settings
 from control_plane.usage.book import UsageSource
 
@@ -34,6 +35,8 @@ class AppState:
     fleet: FleetView
     metrics: Metrics
     insecure_no_auth: bool
+    # This replica's hold on the fleet-wide work (None: an app with no push endpoint).
+    lease: LeaseKeeper | None = None
 
 
 def app_state(app: Starlette) -> AppState:
@@ -67,3 +70,10 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 FleetDep = Annotated[FleetView, Depends(get_fleet)]
+
+
+async def get_lease(request: Request) -> LeaseKeeper | None:
+    return app_state(request.app).lease
+
+
+LeaseDep = Annotated[LeaseKeeper | None, Depends(get_lease)]

@@ -40,6 +40,9 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     status: Literal["ready", "unready"]
     database: Literal["ok", "unreachable"]
+    # This replica's id and whether it runs the fleet-wide work now (None: not served).
+    replica: str | None
+    leader: bool | None
 
 
 # OpenAPI: the errors of every route (each domain's router), and of some.

@@ -46,6 +46,11 @@ def test_readiness_is_503_when_the_database_is_unreachable() -> None:
     with TestClient(create_app(make_settings(url), db=db)) as client:
         response = client.get("/readyz")
         assert response.status_code == 503
-        assert response.json() == {"status": "unready", "database": "unreachable"}
+        assert response.json() == {
+            "status": "unready",
+            "database": "unreachable",
+            "replica": None,
+            "leader": None,
+        }
         assert client.get("/healthz").status_code == 200
     db.dispose()
