@@ -31,7 +31,7 @@ from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
 from control_plane.replicas.lease import LeaseKeeper, default_replica_id
-from control_plane.replicas.notify import ChangeListener, current_channel
+from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
 from control_plane.tokens import routes as token_routes
@@ -154,6 +154,7 @@ class Served:
     lease: LeaseKeeper
     database_url: str
     listener: ChangeListener | None = None
+    announcer: ChangeAnnouncer | None = None
     _sqlite_lock: IO[str] | None = None
 
     def start(self) -> None:
@@ -167,10 +168,14 @@ class Served:
                 channel = current_channel(conn)
             self.listener = ChangeListener(self.db.engine, channel, self.push.notify)
             self.listener.start()
+            self.announcer = ChangeAnnouncer(self.db.engine, channel)
+            self.announcer.start()
+            self.db.on_commit.append(self.announcer.announce)
 
     def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
+        for session in (self.announcer, self.listener):
+            if session is not None:
+                session.close()
         self.push.close()
         self.history.close()
         self.lease.close()

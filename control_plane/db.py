@@ -35,8 +35,6 @@ from sqlalchemy import Connection, create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
-from control_plane.replicas import notify
-
 logger = logging.getLogger("control_plane")
 
 P = ParamSpec("P")
@@ -168,9 +166,6 @@ class Database:
         self._inline = threading.local()
         self._inline_connections: list[Connection] = []
         self._inline_lock = threading.Lock()
-        # PostgreSQL: config writes NOTIFY this channel (replicas/notify.py; set on first use).
-        self._announces = engine.dialect.name == "postgresql"
-        self.change_channel: str | None = None
 
     async def run(self, fn: Service[P, T], /, *a: P.args, **kw: P.kwargs) -> T:
         """Run a service in one transaction, where its policy says."""
@@ -271,13 +266,7 @@ class Database:
         finally:
             conn.execution_options(**{WRITE_OPTION: False, NO_WAIT_OPTION: False})
         with transaction:
-            result = work(conn)
-            if self._announces and isinstance(result, ConfigChange) and result.new_version:
-                # Delivered at commit: every replica's push thread wakes (replicas/notify.py).
-                if self.change_channel is None:
-                    self.change_channel = notify.current_channel(conn)
-                notify.announce(conn, self.change_channel, result.new_version)
-            return result
+            return work(conn)
 
     def _after_commit(self, result: object) -> None:
         if isinstance(result, ConfigChange) and result.new_version is not None:

@@ -3,13 +3,18 @@ and every replica LISTENs so that its push thread publishes the change to its ow
 at once instead of at its next poll of the change log.
 
 NOTIFY is only a hint. It reaches only sessions listening at that moment and is never
-replayed, so a replica that was disconnected, or a notification lost with a dropped
-connection, is covered by the push thread's poll of ``config_changes`` (the log is the
-truth; versions come from one row locked by every write, so commit order is version order
-and no replica can see version N+1 before N). The notification is sent inside the write's
-own transaction, so it is delivered exactly when the change is visible. Its cost: PostgreSQL
-serialises the commits of notifying transactions on a global lock; config writes already
-serialise on the version row, so this adds nothing to them (bench/replica_bench.py).
+replayed, so a replica that was disconnected, a notification lost with a dropped session,
+or a replica killed between a commit and its announcement, is covered by the push
+thread's poll of ``config_changes`` (the log is the truth; versions come from one row
+locked by every write, so commit order is version order and no replica sees version N+1
+before N).
+
+The announcement is sent after the commit, by a thread of its own on a session of its own,
+never inside the write: PostgreSQL serialises the commits of notifying transactions on one
+lock, and a NOTIFY inside the write would hold the version row for that long too. Versions
+committed while an announcement is on its way are folded into the next one (only the
+highest matters: the listener reads the log up to it). Measured in
+bench/results/replicas.md.
 
 The channel is per schema (tests give each database its own schema in one PostgreSQL
 database, and a channel is database-wide).
@@ -21,6 +26,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
@@ -42,61 +48,100 @@ def current_channel(conn: Connection) -> str:
     return channel_of(str(conn.execute(text("SELECT current_schema()")).scalar_one()))
 
 
-def announce(conn: Connection, channel: str, version: int) -> None:
-    """In a write's transaction: wake every replica's push thread when it commits."""
-    conn.execute(
-        text("SELECT pg_notify(:channel, :version)"), {"channel": channel, "version": str(version)}
-    )
+class _Session(threading.Thread):
+    """A thread with one autocommit psycopg session of its own, reopened with backoff."""
 
-
-class ChangeListener:
-    """A thread holding one LISTEN session; calls ``on_version(v)`` for each notification
-    (the push server's ``notify``: cheap, any thread). Reconnects with backoff."""
-
-    def __init__(self, engine: Engine, channel: str, on_version: Callable[[int], None]) -> None:
+    def __init__(self, engine: Engine, channel: str, name: str) -> None:
+        super().__init__(name=name, daemon=True)
         self._engine = engine
         self.channel = channel
-        self._on_version = on_version
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="output-rate-listen", daemon=True)
-        self._listening = threading.Event()
-        self.num_notifications = 0
+        self._closing = threading.Event()
         self.num_reconnects = 0
 
-    def start(self) -> None:
-        self._thread.start()
+    def close(self) -> None:
+        self._closing.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        failures = 0
+        while not self._closing.is_set():
+            dialect = self._engine.dialect
+            cargs, cparams = dialect.create_connect_args(self._engine.url)
+            try:
+                conn = dialect.connect(*cargs, **cparams)
+                try:
+                    conn.autocommit = True
+                    failures = 0
+                    self.serve(conn)
+                finally:
+                    conn.close()
+            except Exception as e:  # a dropped session: the poll covers the gap
+                self.num_reconnects += 1
+                if failures == 0:
+                    logger.warning("%s: PostgreSQL session lost (%s); reconnecting", self.name, e)
+                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
+                failures += 1
+                self._closing.wait(delay)
+
+    def serve(self, conn: Any) -> None:
+        raise NotImplementedError
+
+
+class ChangeAnnouncer(_Session):
+    """Sends ``NOTIFY channel, 'version'`` after commits (``announce`` is a Database
+    on_commit hook: it only records the version and wakes the thread)."""
+
+    def __init__(self, engine: Engine, channel: str) -> None:
+        super().__init__(engine, channel, "output-rate-announce")
+        self._lock = threading.Lock()
+        self._due = threading.Event()
+        # The highest committed version not announced yet (0: none).
+        self._pending = 0
+        self.num_announced = 0
+
+    def announce(self, version: int) -> None:
+        with self._lock:
+            self._pending = max(self._pending, version)
+        self._due.set()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._due.set()
+        self.join(timeout=5)
+
+    def serve(self, conn: Any) -> None:
+        while not self._closing.is_set():
+            self._due.wait(LISTEN_POLL_S)
+            self._due.clear()
+            with self._lock:
+                version, self._pending = self._pending, 0
+            if version:
+                try:
+                    conn.execute("SELECT pg_notify(%s, %s)", (self.channel, str(version)))
+                except Exception:
+                    self.announce(version)  # again on the next session
+                    raise
+                self.num_announced += 1
+
+
+class ChangeListener(_Session):
+    """Holds one LISTEN session; calls ``on_version(v)`` for each notification (the push
+    server's ``notify``: cheap, any thread)."""
+
+    def __init__(self, engine: Engine, channel: str, on_version: Callable[[int], None]) -> None:
+        super().__init__(engine, channel, "output-rate-listen")
+        self._on_version = on_version
+        self._listening = threading.Event()
+        self.num_notifications = 0
 
     def wait_listening(self, timeout_s: float) -> bool:
         return self._listening.wait(timeout_s)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                self._listen()
-                failures = 0
-            except Exception as e:  # a dropped session: the poll covers the gap
-                self._listening.clear()
-                self.num_reconnects += 1
-                delay = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
-                failures += 1
-                if failures == 1:
-                    logger.warning("LISTEN session lost (%s); reconnecting", e)
-                self._stop.wait(delay)
-
-    def _listen(self) -> None:
-        dialect = self._engine.dialect
-        cargs, cparams = dialect.create_connect_args(self._engine.url)
-        conn = dialect.connect(*cargs, **cparams)  # a psycopg connection of its own
+    def serve(self, conn: Any) -> None:
+        conn.execute(f'LISTEN "{self.channel}"')
+        self._listening.set()
         try:
-            conn.autocommit = True
-            conn.execute(f'LISTEN "{self.channel}"')
-            self._listening.set()
-            while not self._stop.is_set():
+            while not self._closing.is_set():
                 for note in conn.notifies(timeout=LISTEN_POLL_S):
                     self.num_notifications += 1
                     try:
@@ -106,4 +151,3 @@ class ChangeListener:
                     self._on_version(version)
         finally:
             self._listening.clear()
-            conn.close()
