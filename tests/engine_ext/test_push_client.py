@@ -64,7 +64,7 @@ class Engine:
         self.limiter = OutputRateLimiter(None, {"flag-user": 3})
         self.wakes = 0
         self.client = PushClient(
-            endpoint=endpoint,
+            endpoints=[endpoint],
             engine_id="e1",
             model="tiny",
             server_public_key=None,
@@ -272,7 +272,7 @@ def test_wrong_server_key_reads_nothing() -> None:
     wrong, _ = zmq.curve_keypair()
     srv = ScriptedServer(secret_key=secret.decode())
     bad = PushClient(
-        endpoint=srv.endpoint, engine_id="bad", model="m", server_public_key=wrong.decode()
+        endpoints=[srv.endpoint], engine_id="bad", model="m", server_public_key=wrong.decode()
     )
     bad.start()
     try:
