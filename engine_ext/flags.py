@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import re
@@ -92,10 +93,12 @@ def _check_tcp_address(address: str) -> None:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise ValueError(f"{host} is no IPv6 address") from None
-    elif ":" in host:
-        raise ValueError("an IPv6 address goes in brackets: tcp://[::1]:5557")
     elif not _HOST.fullmatch(host):
-        raise ValueError(f"{host!r} is no host name or IPv4 address")
+        hint = ""
+        with contextlib.suppress(ValueError):
+            ipaddress.IPv6Address(host)
+            hint = " (an IPv6 address goes in brackets: tcp://[::1]:5557)"
+        raise ValueError(f"{host!r} is no host name or IPv4 address{hint}")
 
 
 def _check_endpoint(entry: str) -> str:
