@@ -153,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     down = db_commands.add_parser("downgrade", help="downgrade to a revision")
     down.add_argument("revision")
     keys_parser = commands.add_parser(
-        "keys", help="make CURVE key pairs for the push endpoint and its engines"
+        "keys",
+        help="make CURVE key pairs for the push endpoint and its engines",
+        description="Make CURVE key pairs: the push endpoint's and one per engine. Replicas "
+        "of one control plane share one server identity: copy the same control-plane.env "
+        "(OUTPUT_RATE_ZMQ_SECRET_KEY and OUTPUT_RATE_ZMQ_CLIENT_KEYS) to every replica; "
+        "engines keep one --control-plane-public-key and list the replicas in "
+        "--control-plane-endpoint tcp://cp-a:5557,tcp://cp-b:5557.",
     )
     keys_parser.add_argument(
         "--out", type=Path, default=None, help="write <out>/control-plane.env, engine-N.env"
