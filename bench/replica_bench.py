@@ -105,7 +105,7 @@ def cross_replica(url: str, workdir: Path, *, writes: int) -> list[str]:
         limiter = OutputRateLimiter(None)
         woken = threading.Event()
         client = PushClient(
-            endpoint=b.zmq_endpoint,
+            endpoints=[b.zmq_endpoint],
             engine_id="bench-b",
             model="tiny",
             server_public_key=None,

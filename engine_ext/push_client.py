@@ -85,7 +85,7 @@ class PushClient:
 
     ``endpoints`` are the control plane's replicas (one database, one CURVE server
     key): the client talks to one at a time and moves to the next, round robin, when
-    it stays silent (docs/control-plane.md, "Replicas")."""
+    it stays silent (docs/replicas.md)."""
 
     def __init__(
         self,

@@ -39,7 +39,7 @@ class Engine:
         self.limiter = OutputRateLimiter(None)
         self._woken = threading.Event()
         self.client = PushClient(
-            endpoint=served.zmq_endpoint,
+            endpoints=[served.zmq_endpoint],
             engine_id=name,
             model="tiny",
             server_public_key=None,
