@@ -40,7 +40,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
 def test_the_per_user_cap_and_the_creation_rate_are_said_plainly(
     browser: Browser, served: ControlPlane
 ) -> None:
-    with watched_page(browser) as watched:
+    # The cap and the rate are refused by the server itself: the page sees a 409 and a 429.
+    with watched_page(browser, refusals=(409, 429)) as watched:
         page = watched.page
         sign_in(page, served, view="users/capped")
         create = page.get_by_role("button", name="Create key")

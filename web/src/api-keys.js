@@ -90,7 +90,8 @@ export function apiKeysSection(user) {
       `Revoke API key ${key.prefix}?`,
       [
         `Requests with the key ${key.prefix}… are refused by every engine within a moment.`,
-        `This cannot be undone: whoever uses it needs a new key. ${user}'s other keys keep working.`,
+        "This cannot be undone: whoever uses it needs a new key. " +
+          `The other keys of ${user} keep working.`,
       ],
       `Revoke ${key.prefix}`,
     );
@@ -183,8 +184,11 @@ export function apiKeysSection(user) {
       h(
         "p",
         { class: "hint" },
-        `Keys that identify ${user} to engines started with --output-rate-identity api-key ` +
-          "(sent as Authorization: Bearer <key>).",
+        `Keys that identify ${user} to engines started with `,
+        h("code", {}, "--output-rate-identity api-key"),
+        " (sent as ",
+        h("code", {}, "Authorization: Bearer <key>"),
+        ").",
       ),
       listBox,
       form,
