@@ -487,10 +487,13 @@ def test_an_api_key_is_shown_once_authenticates_and_is_revoked_after_confirmatio
             " location.href, history.state])"
         )
         assert secret not in kept
-        # The periodic refresh (10 s) redraws the list, and the shown key stays.
+        # The periodic refresh (10 s) redraws the list; the shown key and what the operator
+        # typed and did not save stay.
+        admin.fill("#user-override-rate", "77")
         other = api(served, "POST", f"/users/{user}/keys").json()
         expect(admin.locator("#user-keys-table tbody tr")).to_have_count(2)
         expect(admin.locator("#new-key")).to_have_value(secret)
+        expect(admin.locator("#user-override-rate")).to_have_value("77")
         # Gone after a reload.
         admin.reload()
         expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
