@@ -520,6 +520,12 @@ def test_an_api_key_is_shown_once_authenticates_and_is_revoked_after_confirmatio
         assert [k["id"] for k in keys_of(served, user)] == [other["id"]]
         wait_for(lambda: engine_api.user_of(secret) is None)
         assert engine_api.user_of(other["key"]) == (other["id"], user)
+        # The engines view says which config version the API server's keys are of.
+        version = api(served, "GET", "/engines").json()["version"]
+        admin.goto(f"{served.url}/ui/#/engines")
+        cell = admin.locator('#engines tr[data-engine="keys-engine"] td').nth(4)
+        expect(cell).to_have_text(f"keys of {version}")
+        admin.go_back()
     # The user's audit trail names the key, never its secret.
     audit = admin.locator("#audit")
     expect(audit).to_contain_text("revoke key")
