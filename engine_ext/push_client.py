@@ -39,7 +39,7 @@ import zmq
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from output_rate_core import protocol as p
-from output_rate_core.ids import is_user_id
+from output_rate_core.ids import MAX_USER_ID_LEN, is_user_id
 from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
@@ -54,6 +54,50 @@ def _reportable(counts: dict[str, int]) -> dict[str, int]:
         return counts
     valid = ((user, n) for user, n in counts.items() if is_user_id(user))
     return dict(itertools.islice(valid, p.MAX_USAGE_USERS))
+
+
+# A usage frame's room for user entries: the frame limit less its other fields (an engine
+# id of at most 256 characters, the interval, the part numbers, field names).
+_USAGE_ENTRY_ROOM = p.MAX_ENGINE_MESSAGE_BYTES - 4096
+# What a user costs a usage frame at most beyond its id's UTF-8 bytes, in each map it is
+# in: a msgpack string header (at most 3 bytes for an id) and a count (at most 9 bytes).
+_ENTRY_OVERHEAD = 12
+# Reports of at most this many entries (users, summed over both maps) fit one frame
+# whatever their ids are, so the usual report costs no size estimate.
+_ALWAYS_FITS = _USAGE_ENTRY_ROOM // (4 * MAX_USER_ID_LEN + _ENTRY_OVERHEAD)
+
+
+def usage_parts(
+    engine_id: str, interval_s: float, granted: dict[str, int], throttled: dict[str, int]
+) -> list[p.Usage]:
+    """One interval's report as frames the control plane accepts (each at most
+    MAX_ENGINE_MESSAGE_BYTES): itself, or parts of it split by users (a user's two
+    counts in one part), numbered in the order they are to be sent."""
+    whole = p.Usage(engine_id, interval_s, granted, throttled)
+    # Encoding 40,000 entries to measure them takes ~1 ms (the IO thread encodes again).
+    if len(granted) + len(throttled) <= _ALWAYS_FITS or len(p.encode(whole)) <= _USAGE_ENTRY_ROOM:
+        return [whole]
+    users = granted.keys() | throttled.keys()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for user in users:
+        cost = (len(user.encode()) + _ENTRY_OVERHEAD) * ((user in granted) + (user in throttled))
+        if size + cost > _USAGE_ENTRY_ROOM:
+            groups.append([])
+            size = 0
+        groups[-1].append(user)
+        size += cost
+    return [
+        p.Usage(
+            engine_id,
+            interval_s,
+            {u: granted[u] for u in group if u in granted},
+            {u: throttled[u] for u in group if u in throttled},
+            part,
+            len(groups),
+        )
+        for part, group in enumerate(groups)
+    ]
 
 
 @dataclass(frozen=True)
@@ -227,7 +271,7 @@ class PushClient:
     def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
         """Hand over this interval's counters (the client keeps the dicts)."""
         now = time.monotonic()
-        interval = min(max(now - self._last_usage_at, 1e-3), 3600.0)
+        interval = max(now - self._last_usage_at, p.MIN_USAGE_INTERVAL_S)
         self._last_usage_at = now
         if not granted and not throttled:
             return
@@ -240,7 +284,10 @@ class PushClient:
             sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
             sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
         )
-        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
+        # Thousands of long ids can exceed a frame: parts, never a refused frame.
+        interval = min(interval, p.MAX_USAGE_INTERVAL_S)
+        for part in usage_parts(self.engine_id, interval, granted, throttled):
+            self._send(part)
 
     def report_demand(self, streams: dict[str, int]) -> None:
         """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
