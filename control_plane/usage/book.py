@@ -24,6 +24,7 @@ stay bounded whatever engines send.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from output_rate_core import protocol as p
+
+logger = logging.getLogger("control_plane")
 
 WINDOW_S = 10.0
 SHORT_WINDOW_S = 1.0
@@ -98,15 +101,24 @@ class NoUsage:
 
 
 class Refusals:
-    """What was refused, counted by reason; any thread (read by /metrics)."""
+    """What was refused, counted by reason; any thread (read by /metrics). The first
+    refusal of each reason is logged (a flood of refusals is not a flood of lines)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
 
-    def add(self, reason: str, num: int = 1) -> None:
+    def add(self, reason: str, num: int = 1, *, engine_id: str = "") -> None:
         with self._lock:
+            first = reason not in self._counts
             self._counts[reason] = self._counts.get(reason, 0) + num
+        if first:
+            logger.warning(
+                "usage refused (%s) from engine %r; further ones are only counted in "
+                "output_rate_usage_refused_total",
+                reason,
+                engine_id,
+            )
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -186,13 +198,13 @@ class UsageBook:
             self._expire(now)
             self._last_report_at[engine_id] = now
             bounds = self._bounds.setdefault(engine_id, _EngineBounds())
-            parts = self._assemble(bounds, report, now)
+            parts = self._assemble(engine_id, bounds, report, now)
             if parts is None:
                 return False
             tokens = sum(sum(part.granted.values()) for part in parts)
             reason = self._over_bounds(bounds, parts, tokens, now)
             if reason is not None:
-                self.refused.add(reason)
+                self.refused.add(reason, engine_id=engine_id)
                 return False
             parts = self._admit(parts)
             reports = self._reports.setdefault(engine_id, deque())
@@ -207,13 +219,13 @@ class UsageBook:
         return True
 
     def _assemble(
-        self, bounds: _EngineBounds, report: p.Usage, now: float
+        self, engine_id: str, bounds: _EngineBounds, report: p.Usage, now: float
     ) -> tuple[p.Usage, ...] | None:
         """The whole report once its last part is here (None: not yet, or refused)."""
         waiting = bounds.parts
         if report.part == 0:
             if waiting:  # the previous split report never completed
-                self.refused.add(REFUSED_PARTS)
+                self.refused.add(REFUSED_PARTS, engine_id=engine_id)
             if report.num_parts == 1:
                 bounds.parts = []
                 return (report,)
@@ -225,13 +237,13 @@ class UsageBook:
             or report.part != len(waiting)
             or (report.num_parts, report.interval_s) != (first.num_parts, first.interval_s)
         ):
-            self.refused.add(REFUSED_PARTS)
+            self.refused.add(REFUSED_PARTS, engine_id=engine_id)
             bounds.parts = []
             return None
         waiting.append(report)
         # Checked as they come, so waiting parts never hold more than one report's users.
         if max(self._num_users(waiting)) > p.MAX_USAGE_USERS:
-            self.refused.add(REFUSED_USERS)
+            self.refused.add(REFUSED_USERS, engine_id=engine_id)
             bounds.parts = []
             return None
         if len(waiting) < report.num_parts:
@@ -311,7 +323,7 @@ class UsageBook:
         self._next_sweep = now + WINDOW_S
         for engine_id, bounds in list(self._bounds.items()):
             if bounds.parts and bounds.parts_since < now - PART_TIMEOUT_S:
-                self.refused.add(REFUSED_PARTS)
+                self.refused.add(REFUSED_PARTS, engine_id=engine_id)
                 bounds.parts = []
             if bounds.is_fresh(now):
                 del self._bounds[engine_id]

@@ -115,9 +115,9 @@ class UsageRecorder:
         self._num_new[engine_id] = num_new
         rows.update(taken)
         if num_over_engine:
-            self.refused.add(REFUSED_ENGINE_USERS, num_over_engine)
+            self.refused.add(REFUSED_ENGINE_USERS, num_over_engine, engine_id=engine_id)
         if num_over_minute:
-            self.refused.add(REFUSED_MINUTE_USERS, num_over_minute)
+            self.refused.add(REFUSED_MINUTE_USERS, num_over_minute, engine_id=engine_id)
         if len(taken) == len(fresh):
             return users
         return (users - fresh).union(taken)
