@@ -45,6 +45,11 @@ from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
+# Usage reports go at most this often, half the rate the control plane takes (its clock
+# sees them bunched by the network): a report that comes sooner (an engine that goes
+# idle after every short request reports each time) is held, merged with the next one,
+# and sent by the IO thread once due.
+USAGE_MIN_SPACING_S = 2 / p.MAX_USAGE_REPORTS_PER_S
 # The whole demand map is restated this often (a lost delta heals by then).
 FULL_DEMAND_INTERVAL_S = 5.0
 
@@ -179,6 +184,11 @@ class PushClient:
         # not be buried under more snapshots); back to resync_retry_s once one lands.
         self._resync_wait_s = resync_retry_s
         self._last_usage_at = time.monotonic()
+        # A report not sent yet (interval, granted, throttled), and when the last one went;
+        # the engine thread and the IO thread both take it, under the lock.
+        self._usage_lock = threading.Lock()
+        self._held_usage: tuple[float, dict[str, int], dict[str, int]] | None = None
+        self._last_usage_sent_at = float("-inf")
         # user -> streams, as the control plane last heard them from this engine
         self.demand_sent: dict[str, int] = {}
         self._full_demand_due = True
@@ -275,6 +285,24 @@ class PushClient:
         self._last_usage_at = now
         if not granted and not throttled:
             return
+        with self._usage_lock:
+            held = self._held_usage
+            if held is not None:  # the earlier interval's counts join this one's
+                interval += held[0]
+                for user, n in held[1].items():
+                    granted[user] = granted.get(user, 0) + n
+                for user, n in held[2].items():
+                    throttled[user] = throttled.get(user, 0) + n
+            self._held_usage = (interval, granted, throttled)
+        self._send_held_usage(now)
+
+    def _send_held_usage(self, now: float) -> None:
+        """Send the held report if one is due (engine or IO thread)."""
+        with self._usage_lock:
+            if self._held_usage is None or now - self._last_usage_sent_at < USAGE_MIN_SPACING_S:
+                return
+            (interval, granted, throttled), self._held_usage = self._held_usage, None
+            self._last_usage_sent_at = now
         # What the server would refuse whole: names that are no user id (a request's
         # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
         granted, throttled = _reportable(granted), _reportable(throttled)
@@ -511,6 +539,7 @@ class PushClient:
             if self._wake_read in events:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 4096)
+            self._send_held_usage(time.monotonic())
             self._flush(sock)
             now = time.monotonic()
             if now >= next_heartbeat:

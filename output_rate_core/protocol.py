@@ -38,6 +38,10 @@ MAX_ENGINE_STEPS_PER_S = 1_000_000
 # refused: they fail both bounds). Engines report about once a second.
 MIN_USAGE_INTERVAL_S = 1e-3
 MAX_USAGE_INTERVAL_S = 3600.0
+# The control plane takes at most this many usage reports a second from one engine
+# (this many at once), by its own clock; engines send at most half as many.
+MAX_USAGE_REPORTS_PER_S = 4.0
+MAX_USAGE_REPORT_BURST = 8
 # A report too large for one engine frame (thousands of long multi-byte user ids) goes as
 # up to this many parts, split by users; the worst case (MAX_USAGE_USERS ids of 256
 # four-byte characters in both maps) takes 10 parts of MAX_ENGINE_MESSAGE_BYTES.

@@ -43,9 +43,10 @@ SHORT_REACH_S = SHORT_WINDOW_S + p.HEARTBEAT_INTERVAL_S
 # Engines report about once a second: twice that in the window is plenty.
 MAX_REPORTS_PER_ENGINE = int(2 * WINDOW_S / p.HEARTBEAT_INTERVAL_S)
 MAX_TRACKED_USERS = 50_000
-# Per engine: a real one reports about once a second (and once more when it goes idle).
-MAX_REPORTS_PER_S = 4.0
-MAX_REPORT_BURST = 8
+# Per engine: a real one reports about once a second (and when it goes idle, at most
+# every 0.5 s: engine_ext/push_client.py holds reports that come sooner).
+MAX_REPORTS_PER_S = p.MAX_USAGE_REPORTS_PER_S
+MAX_REPORT_BURST = p.MAX_USAGE_REPORT_BURST
 # Per engine, on top of what MAX_ENGINE_TOKENS_PER_S / MAX_ENGINE_STEPS_PER_S allow for
 # the time since its reports began: a first report, or one that arrives early.
 USAGE_BURST_S = 1.0

@@ -12,7 +12,7 @@ import zmq
 
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient, usage_parts
+from engine_ext.push_client import USAGE_MIN_SPACING_S, PushClient, usage_parts
 from output_rate_core import protocol as p
 
 WAIT_S = 15.0
@@ -493,3 +493,28 @@ def test_an_oversized_report_reaches_the_server_in_parts(
     assert len(received) > 1 and len({u.interval_s for u in received}) == 1
     assert {k: n for u in received for k, n in u.granted.items()} == granted
     assert {k: n for u in received for k, n in u.throttled.items()} == {_long_id(0): 7}
+
+
+def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    # An engine that goes idle after every short request reports each time: before, as
+    # often as that (the control plane takes at most 4 a second from one engine).
+    connect(server, engine)
+    began = time.monotonic()
+    engine.client.report_usage(granted={"a": 1}, throttled={})
+    time.sleep(0.01)
+    engine.client.report_usage(granted={"a": 2, "b": 5}, throttled={"b": 1})
+    time.sleep(0.01)
+    engine.client.report_usage(granted={"a": 4}, throttled={})
+    _, first = server.recv(p.Usage)
+    _, second = server.recv(p.Usage)
+    arrived = time.monotonic() - began
+    assert isinstance(first, p.Usage) and isinstance(second, p.Usage)
+    assert (first.granted, first.throttled) == ({"a": 1}, {})
+    # The two later intervals in one report, sent by the IO thread once due.
+    assert (second.granted, second.throttled) == ({"a": 6, "b": 5}, {"b": 1})
+    assert arrived >= USAGE_MIN_SPACING_S
+    assert second.interval_s >= 0.02
+    with pytest.raises(AssertionError):
+        server.recv(p.Usage, timeout_s=1.0)  # nothing else: no report was sent twice
