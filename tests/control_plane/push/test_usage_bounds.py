@@ -315,7 +315,7 @@ def test_a_report_too_large_for_one_frame_arrives_in_parts_and_keeps_the_connect
     cp: ControlPlane,
 ) -> None:
     engine = PushClient(
-        endpoint=cp.served.zmq_endpoint,
+        endpoints=[cp.served.zmq_endpoint],
         engine_id="splitter",
         model="tiny",
         server_public_key=cp.server_public,
