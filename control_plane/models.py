@@ -22,6 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from control_plane.audit.targets import TARGET_KIND_LEN, TARGET_KINDS
 from output_rate_core.ids import (
     MAX_ENGINE_ID_LEN,
     MAX_MODEL_LEN,
@@ -169,17 +170,42 @@ class ConfigChange(Base):
     ops: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
 
+def _target_kind_check(column: str) -> str:
+    values = ", ".join(f"'{kind}'" for kind in TARGET_KINDS)
+    return f"{column} IN ({values})"
+
+
 class AuditEntry(Base):
+    """One change: what it is about is (target_kind, target), control_plane/audit/targets.py."""
+
     __tablename__ = "audit_log"
+    __table_args__ = (
+        CheckConstraint(_target_kind_check("target_kind"), name="target_kind_valid"),
+        # A target's entries, newest first: one index range for GET /audit?target=.
+        Index("ix_audit_log_target_kind_target_id", "target_kind", "target", "id"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     version: Mapped[int] = mapped_column(Integer)
     actor: Mapped[str] = mapped_column(String(128))
     action: Mapped[str] = mapped_column(String(64))
+    target_kind: Mapped[str] = mapped_column(String(TARGET_KIND_LEN))
     target: Mapped[str] = mapped_column(String(MAX_USER_ID_LEN + 16))
     before: Mapped[Any] = mapped_column(JSON, nullable=True)
     after: Mapped[Any] = mapped_column(JSON, nullable=True)
+
+
+class AuditUser(Base):
+    """A user that a bulk entry changed, written with it: a user's history finds the bulk
+    changes that touched it by this primary key, not by reading every entry's JSON."""
+
+    __tablename__ = "audit_targets"
+
+    user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), primary_key=True)
+    audit_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("audit_log.id"), primary_key=True, autoincrement=False
+    )
 
 
 class ViewerToken(Base):

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Query
 
 from control_plane.audit import service
 from control_plane.audit.schemas import AuditChanges, AuditList
+from control_plane.audit.targets import TargetKind
 from control_plane.auth import ReaderDep
 from control_plane.deps import DatabaseDep
 from control_plane.schemas import ERRORS, NOT_FOUND
@@ -29,13 +30,24 @@ async def audit(
         str | None,
         Query(
             min_length=1,
-            max_length=MAX_USER_ID_LEN + 16,
+            max_length=MAX_USER_ID_LEN,
             pattern=USER_ID_PATTERN,
-            description="Only entries about this target (a user, a tier, default, token:ID)",
+            description="Only entries about this target. Without target_kind a user id: the "
+            "user's own entries and the bulk changes that touched it",
+        ),
+    ] = None,
+    target_kind: Annotated[
+        TargetKind | None,
+        Query(
+            description="Only entries about this kind of target (user: without the bulk "
+            "changes; bulk with a target: the bulk changes that touched that user; token: "
+            "target is the token's id)"
         ),
     ] = None,
 ) -> AuditList:
-    return await db.run(service.list_audit, limit=limit, before_id=before_id, target=target)
+    return await db.run(
+        service.list_audit, limit=limit, before_id=before_id, target=target, kind=target_kind
+    )
 
 
 @router.get("/audit/{entry_id}/changes", response_model=AuditChanges, responses=NOT_FOUND)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection
 
+from control_plane.audit.targets import user_target
 from control_plane.db import ConfigChange, service
 from control_plane.errors import Conflict, NotFound, TooManyRequests
 from control_plane.keys import repository as repo
@@ -64,7 +65,7 @@ def create_key(
         state,
         actor=actor,
         action="create_key",
-        target=user,
+        target=user_target(user),
         before=None,
         after=_audit_record(key_id, user),
         ops=[p.SetKey(id=key_id, user=user, hash=key_hash)],
@@ -101,7 +102,7 @@ def revoke_key(conn: Connection, *, actor: str, key_id: str) -> ConfigChange[Non
         state,
         actor=actor,
         action="revoke_key",
-        target=row.user,
+        target=user_target(row.user),
         before=_audit_record(row.id, row.user),
         after=None,
         ops=[p.DeleteKey(id=key_id)],

@@ -16,6 +16,13 @@ from typing import Any
 from sqlalchemy import Connection
 
 from control_plane.audit import service as audit
+from control_plane.audit.targets import (
+    DEFAULT_TARGET,
+    AuditTarget,
+    bulk_target,
+    tier_target,
+    user_target,
+)
 from control_plane.db import ConfigChange, service
 from control_plane.errors import Conflict, InvalidInput, NotFound
 from control_plane.fleet.view import FleetView
@@ -302,7 +309,7 @@ def _record(
     *,
     actor: str,
     action: str,
-    target: str,
+    target: AuditTarget,
     before: Any,
     after: Any,
     ops: list[p.Op],
@@ -337,7 +344,7 @@ def record_change(
     *,
     actor: str,
     action: str,
-    target: str,
+    target: AuditTarget,
     before: Any,
     after: Any,
     ops: list[p.Op],
@@ -441,7 +448,7 @@ def _set_user(
             state,
             actor=actor,
             action=action,
-            target=user,
+            target=user_target(user),
             before=before,
             after=after,
             ops=[_set_user_op(item)],
@@ -472,7 +479,7 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[Non
         state,
         actor=actor,
         action="delete_limit",
-        target=user,
+        target=user_target(user),
         before=_user_record(record),
         after=None,
         ops=[p.DeleteUser(user=user)],
@@ -516,7 +523,7 @@ def bulk_put_limits(
         state,
         actor=actor,
         action="bulk_put_limits",
-        target=f"{len(changed)} users",
+        target=bulk_target([i.user for i in changed]),
         # One entry for one version, with every changed user's record before and after.
         before={i.user: _user_record(existing.get(i.user)) for i in changed},
         after={i.user: _item_record(i) for i in changed},
@@ -609,7 +616,7 @@ def _set_tier(
         state,
         actor=actor,
         action=action,
-        target=name,
+        target=tier_target(name),
         before=before,
         after=_tier_record(new_tier),
         ops=[p.SetTier(name=name, rate=rate, scope=scope)],
@@ -633,7 +640,7 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None
         state,
         actor=actor,
         action="delete_tier",
-        target=name,
+        target=tier_target(name),
         before=_tier_record(tier),
         after=None,
         ops=[p.DeleteTier(name=name)],
@@ -657,7 +664,7 @@ def put_default(
         state,
         actor=actor,
         action="put_default",
-        target="default",
+        target=DEFAULT_TARGET,
         before=before,
         after=after,
         ops=[p.SetDefault(rate=rate, scope=scope)],

@@ -8,6 +8,7 @@ import secrets
 from sqlalchemy import Connection
 
 from control_plane.audit import service as audit
+from control_plane.audit.targets import token_target
 from control_plane.db import service
 from control_plane.errors import NotFound
 from control_plane.limits import service as limits
@@ -26,7 +27,7 @@ def _audit_token(conn: Connection, *, actor: str, action: str, token_id: int, na
         version=limits.current_version(conn),
         actor=actor,
         action=action,
-        target=f"token:{token_id}",
+        target=token_target(token_id),
         before=None if action == "create_token" else {"name": name, "revoked": False},
         after={"name": name, "revoked": action == "revoke_token"},
     )

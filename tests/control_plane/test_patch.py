@@ -173,8 +173,11 @@ def test_audit_filtered_by_target(client: TestClient) -> None:
     client.put("/tiers/pro", json={"output_tokens_per_second": 100})
     client.put("/limits/alice", json={"tier": "pro"})
     client.patch("/tiers/pro", json={"description": "paid"})
-    entries = client.get("/audit", params={"target": "pro"}).json()["items"]
+    params = {"target": "pro", "target_kind": "tier"}
+    entries = client.get("/audit", params=params).json()["items"]
     assert [e["action"] for e in entries] == ["patch_tier", "put_tier"]
+    # Without a kind the target is a user: no user "pro" was changed.
+    assert client.get("/audit", params={"target": "pro"}).json()["items"] == []
     assert client.get("/audit", params={"target": "nobody"}).json()["items"] == []
 
 
