@@ -197,8 +197,9 @@ class AuditEntry(Base):
 
 
 class AuditUser(Base):
-    """A user that a bulk entry changed, written with it: a user's history finds the bulk
-    changes that touched it by this primary key, not by reading every entry's JSON."""
+    """A user that a bulk entry changed and its record before and after, written with the
+    entry: a user's history finds the bulk changes that touched it, and what each did to
+    it, by this primary key, without reading the entries' JSON of every user."""
 
     __tablename__ = "audit_targets"
 
@@ -206,6 +207,8 @@ class AuditUser(Base):
     audit_id: Mapped[int] = mapped_column(
         Integer, ForeignKey("audit_log.id"), primary_key=True, autoincrement=False
     )
+    # {"before": record, "after": record}: one JSON value per row (half the encoding).
+    change: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class ViewerToken(Base):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, insert, select
+from sqlalchemy import Connection, Row, Select, Text, cast, func, insert, select
 
 from control_plane.audit.targets import AuditTarget, TargetKind
 from control_plane.models import AuditEntry, AuditUser, table
@@ -28,7 +28,6 @@ def add_audit(
     before: Any,
     after: Any,
 ) -> None:
-    """The entry and, for a bulk change, one audit_targets row per user (one executemany)."""
     result = conn.execute(
         _INSERT_AUDIT,
         {
@@ -42,10 +41,25 @@ def add_audit(
             "after": after,
         },
     )
-    if target.users:
+    if target.kind == "bulk":
         assert result.inserted_primary_key is not None
-        audit_id = result.inserted_primary_key[0]
-        conn.execute(_INSERT_AUDIT_USER, [{"user": u, "audit_id": audit_id} for u in target.users])
+        _add_bulk_users(conn, result.inserted_primary_key[0], before, after)
+
+
+def _add_bulk_users(conn: Connection, audit_id: int, before: Any, after: Any) -> None:
+    """One audit_targets row per user of a bulk entry's before/after maps (user -> its
+    record), with its record on each side: one executemany."""
+    before_, after_ = (side if isinstance(side, dict) else {} for side in (before, after))
+    rows = [
+        {
+            "user": u,
+            "audit_id": audit_id,
+            "change": {"before": before_.get(u), "after": after_.get(u)},
+        }
+        for u in before_.keys() | after_.keys()
+    ]
+    if rows:
+        conn.execute(_INSERT_AUDIT_USER, rows)
 
 
 def entry_ids(
@@ -81,10 +95,34 @@ def bulk_ids_of_user(
     )
 
 
-def get_audits(conn: Connection, ids: Sequence[int]) -> list[Row[Any]]:
-    """The entries with these ids, in the order given."""
-    rows = {r.id: r for r in conn.execute(select(audit_log).where(audit_log.c.id.in_(ids)))}
+# An entry's before/after as stored (the JSON text), read without loading them.
+_STORED_SIZE = {
+    side: func.coalesce(func.length(cast(audit_log.c[side], Text)), len("null"))
+    for side in ("before", "after")
+}
+_HEAD_COLUMNS = [c for c in audit_log.c if c.name not in _STORED_SIZE]
+
+
+def get_heads(conn: Connection, ids: Sequence[int]) -> list[Row[Any]]:
+    """The entries with these ids, in the order given, without before/after: their
+    stored size instead (`size`, characters of JSON text)."""
+    size = (_STORED_SIZE["before"] + _STORED_SIZE["after"]).label("size")
+    query: Select[Any] = select(*_HEAD_COLUMNS, size).where(audit_log.c.id.in_(ids))
+    rows = {r.id: r for r in conn.execute(query)}
     return [rows[i] for i in ids]
+
+
+def get_bodies(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[Any, Any]]:
+    """entry id -> its (before, after)."""
+    query = select(audit_log.c.id, audit_log.c.before, audit_log.c.after)
+    return {r.id: (r.before, r.after) for r in conn.execute(query.where(audit_log.c.id.in_(ids)))}
+
+
+def get_user_changes(conn: Connection, user: str, ids: Sequence[int]) -> dict[int, tuple[Any, Any]]:
+    """bulk entry id -> what it did to `user`: (before, after), for those that touched it."""
+    t = audit_targets.c
+    query = select(t.audit_id, t.change).where(t.user == user, t.audit_id.in_(ids))
+    return {r.audit_id: (r.change["before"], r.change["after"]) for r in conn.execute(query)}
 
 
 def get_audit(conn: Connection, entry_id: int) -> Row[Any] | None:

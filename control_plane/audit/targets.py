@@ -4,13 +4,13 @@ token or a bulk change (each kind is its own namespace)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 # user: a user's record or its API keys (id: the user); tier: a tier (its name); default:
 # the default limit (id "default"); token: a viewer token (its id); bulk: one bulk change
-# of many users (id: "<n> users", a label; the users are in audit_targets).
+# of many users (id: "<n> users", a label; its before/after map each user to its record,
+# and each user's pair is also an audit_targets row).
 TargetKind = Literal["user", "tier", "default", "token", "bulk"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 TARGET_KIND_LEN = max(len(kind) for kind in TARGET_KINDS)
@@ -21,8 +21,6 @@ DEFAULT_ID = "default"
 class AuditTarget:
     kind: TargetKind
     id: str
-    # The users a bulk change touched (empty for every other kind).
-    users: Sequence[str] = field(default=(), repr=False)
 
 
 def user_target(user: str) -> AuditTarget:
@@ -40,5 +38,5 @@ def token_target(token_id: int) -> AuditTarget:
     return AuditTarget("token", str(token_id))
 
 
-def bulk_target(users: Sequence[str]) -> AuditTarget:
-    return AuditTarget("bulk", f"{len(users)} users", users)
+def bulk_target(num_users: int) -> AuditTarget:
+    return AuditTarget("bulk", f"{num_users} users")

@@ -523,7 +523,7 @@ def bulk_put_limits(
         state,
         actor=actor,
         action="bulk_put_limits",
-        target=bulk_target([i.user for i in changed]),
+        target=bulk_target(len(changed)),
         # One entry for one version, with every changed user's record before and after.
         before={i.user: _user_record(existing.get(i.user)) for i in changed},
         after={i.user: _item_record(i) for i in changed},

@@ -48,9 +48,18 @@ audit_log = sa.table(
 )
 
 
-def _bulk_users(before: object, after: object) -> set[str]:
-    """The users a bulk entry changed: the keys of its before and after maps."""
-    return {user for side in (before, after) if isinstance(side, dict) for user in side}
+def _user_changes(audit_id: int, before: object, after: object) -> list[dict[str, object]]:
+    """The audit_targets rows of a bulk entry: each user of its before and after maps,
+    with its record on each side."""
+    before_, after_ = (side if isinstance(side, dict) else {} for side in (before, after))
+    return [
+        {
+            "user": u,
+            "audit_id": audit_id,
+            "change": {"before": before_.get(u), "after": after_.get(u)},
+        }
+        for u in sorted(before_.keys() | after_.keys())
+    ]
 
 
 def upgrade() -> None:
@@ -87,6 +96,7 @@ def upgrade() -> None:
             nullable=False,
         ),
         sa.Column("audit_id", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("change", sa.JSON(), nullable=False),
         sa.ForeignKeyConstraint(
             ["audit_id"],
             ["audit_log.id"],
@@ -108,7 +118,7 @@ def _fill_audit_targets(audit_targets: sa.Table) -> None:
         entry = conn.execute(
             sa.select(audit_log.c.before, audit_log.c.after).where(audit_log.c.id == audit_id)
         ).one()
-        rows = [{"user": u, "audit_id": audit_id} for u in sorted(_bulk_users(*entry))]
+        rows = _user_changes(audit_id, entry.before, entry.after)
         for start in range(0, len(rows), INSERT_BATCH):
             conn.execute(audit_targets.insert(), rows[start : start + INSERT_BATCH])
 
