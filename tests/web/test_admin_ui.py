@@ -94,7 +94,8 @@ def test_editing_only_the_description_keeps_the_rate(admin: Page, served: Contro
     after = tier(served, "pro")
     assert (after["output_tokens_per_second"], after["description"]) == (100, "Paid plan (annual)")
     assert after["num_users"] >= 1114
-    entry = api(served, "GET", "/audit", params={"target": "pro", "limit": 1}).json()["items"][0]
+    params = {"target": "pro", "target_kind": "tier", "limit": 1}
+    entry = api(served, "GET", "/audit", params=params).json()["items"][0]
     assert entry["action"] == "patch_tier"
 
 
@@ -359,12 +360,137 @@ def test_changes_made_elsewhere_show_up_without_reload(admin: Page, served: Cont
 
 def test_audit_log_and_filter(admin: Page, served: ControlPlane) -> None:
     api(served, "PATCH", "/tiers/max", json={"description": "Enterprise"})
-    admin.goto(f"{served.url}/ui/#/audit?target=max")
+    api(served, "PUT", "/limits/max", json={"output_tokens_per_second": 8})  # a user "max"
+    admin.goto(f"{served.url}/ui/#/audit?target=max&target_kind=tier")
     audit = admin.locator("#audit")
     expect(audit).to_contain_text("patch tier")
     expect(audit).to_contain_text("description “Enterprise”")
     for target in audit.locator("tbody tr td:nth-child(4)").all_inner_texts():
-        assert target == "max"
+        assert target == "tier max"
+    # The same name as a user: only the user's entries.
+    admin.select_option("#audit-kind", "")
+    admin.get_by_role("button", name="Filter").click()
+    expect(audit.locator("tbody tr")).to_have_count(1)
+    expect(audit).to_contain_text("put limit")
+    assert "target_kind" not in admin.url
+
+
+# ---- the audit log: bulk changes, a user's history, paging back -----------------
+
+
+def audit_items(served: ControlPlane, **params: Any) -> list[dict[str, Any]]:
+    return list(api(served, "GET", "/audit", params=params).json()["items"])
+
+
+def test_a_bulk_change_shows_in_the_users_history_and_opens_its_users(
+    admin: Page, served: ControlPlane
+) -> None:
+    users = [f"hist-{i:03d}" for i in range(150)]
+    api(served, "PUT", "/limits/hist-007", json={"output_tokens_per_second": 9})
+    items = [{"user": u, "tier": "basic"} for u in users]
+    assert api(served, "POST", "/limits:bulk", json={"items": items}).status_code == 200
+    bulk_id = audit_items(served, target="hist-007")[0]["id"]
+    admin.goto(f"{served.url}/ui/#/users/hist-007")
+    expect(admin.locator('#view[data-ready="users/hist-007"]')).to_have_count(1)
+    # The import is the user's last change (not the override before it), with what it
+    # did to this user.
+    rows = admin.locator("#audit > tbody > tr")
+    expect(rows).to_have_count(2)
+    newest = rows.first
+    expect(newest.locator("td").nth(2)).to_have_text("bulk put limits")
+    expect(newest.locator("td").nth(4)).to_have_text("no tier, override 9 tok/s")
+    expect(newest.locator("td").nth(5)).to_have_text("tier basic, no override")
+    expect(rows.nth(1).locator("td").nth(2)).to_have_text("put limit")
+    # It opens the users it changed, 100 at a time.
+    opener = newest.get_by_role("button", name="150 users")
+    expect(opener).to_have_attribute("aria-expanded", "false")
+    opener.click()
+    expect(opener).to_have_attribute("aria-expanded", "true")
+    detail = admin.locator(f"#audit-detail-{bulk_id}")
+    expect(detail.locator("tbody tr")).to_have_count(100)
+    detail.get_by_role("button", name="More users").click()
+    expect(detail.locator("tbody tr")).to_have_count(150)
+    expect(detail.get_by_role("button", name="More users")).to_be_hidden()
+    mine = detail.locator('tr[data-user="hist-007"] td')
+    expect(mine.nth(1)).to_contain_text("override 9 tok/s")
+    expect(detail.locator('tr[data-user="hist-100"] td').nth(1)).to_have_text(DASH)
+    # The periodic refresh (10 s) shows a later change and keeps the opened users.
+    api(served, "PATCH", "/limits/hist-007", json={"output_tokens_per_second": 11})
+    expect(rows.first.locator("td").nth(2)).to_have_text("patch limit", timeout=25_000)
+    expect(detail.locator("tbody tr")).to_have_count(150)
+    # A user in the detail opens that user's page, whose history has the same change.
+    detail.get_by_role("link", name="hist-100").click()
+    expect(admin.locator('#view[data-ready="users/hist-100"]')).to_have_count(1)
+    expect(admin.locator("#audit > tbody > tr")).to_have_count(1)
+    expect(admin.locator("#audit > tbody > tr td").nth(4)).to_have_text(DASH)
+    # Closing it again.
+    admin.locator("#audit").get_by_role("button", name="150 users").click()
+    expect(admin.locator(f"#audit-detail-{bulk_id}")).to_be_visible()
+    admin.locator("#audit").get_by_role("button", name="150 users").click()
+    expect(admin.locator(f"#audit-detail-{bulk_id}")).to_have_count(0)
+
+
+def test_the_audit_view_pages_back_to_the_first_entry(admin: Page, served: ControlPlane) -> None:
+    with httpx.Client(base_url=served.url, headers=HEADERS, timeout=30) as http:
+        for rate in range(1, 231):
+            response = http.put("/limits/pager", json={"output_tokens_per_second": rate})
+            assert response.status_code == 200
+    admin.goto(f"{served.url}/ui/#/audit?target=pager")
+    rows = admin.locator("#audit > tbody > tr")
+    older = admin.locator("#audit-older")
+    newer = admin.locator("#audit-newer")
+    after_cell = rows.first.locator("td").nth(5)
+    expect(after_cell).to_have_text("no tier, override 230 tok/s")
+    expect(rows).to_have_count(100)
+    expect(newer).to_be_disabled()
+    older.click()
+    expect(after_cell).to_have_text("no tier, override 130 tok/s")
+    expect(rows).to_have_count(100)
+    older.click()
+    expect(rows).to_have_count(30)
+    expect(rows.last.locator("td").nth(5)).to_have_text("no tier, override 1 tok/s")
+    expect(older).to_be_disabled()
+    expect(admin.locator("#audit-position")).to_have_text("The last row is the first entry.")
+    # Newer goes back a page; the page is in the address: a reload stays on it, and from
+    # there (the pages above it unknown) the button goes to the newest.
+    newer.click()
+    expect(after_cell).to_have_text("no tier, override 130 tok/s")
+    expect(newer).to_have_text("← Newer")
+    admin.reload()
+    expect(after_cell).to_have_text("no tier, override 130 tok/s")
+    expect(newer).to_have_text("← Newest")
+    newer.click()
+    expect(after_cell).to_have_text("no tier, override 230 tok/s")
+    expect(newer).to_be_disabled()
+    # Unfiltered, Older reaches the log's first entry: the seed's first tier.
+    admin.goto(f"{served.url}/ui/#/audit")
+    expect(rows).to_have_count(100)
+    for _ in range(50):
+        if older.is_disabled():
+            break
+        first_shown = rows.first.get_attribute("data-id")
+        older.click()
+        expect(rows.first).not_to_have_attribute("data-id", first_shown or "")
+    expect(older).to_be_disabled()
+    first = min(e["id"] for e in audit_items(served, target_kind="tier", limit=1000))
+    expect(rows.last).to_have_attribute("data-id", str(first))
+    expect(rows.last.locator("td").nth(3)).to_have_text("tier free")
+
+
+def test_a_refused_audit_filter_is_said_next_to_its_field(
+    browser: Browser, served: ControlPlane
+) -> None:
+    with watched_page(browser, refusals=(422,)) as watched:
+        page = watched.page
+        sign_in(page, served, view="audit?target=abc&target_kind=token")
+        expect(page.locator("#audit-filter .field-error")).to_contain_text(
+            "Target: with target_kind=token it must be a token id"
+        )
+        expect(page.locator("#audit-target")).to_have_attribute("aria-invalid", "true")
+        page.fill("#audit-target", "1")
+        page.get_by_role("button", name="Filter").click()
+        expect(page.locator("#audit-filter .field-error")).to_have_count(0)
+        expect(page.locator("#audit, #view p.hint").first).to_be_visible()
 
 
 def test_viewer_tokens_are_created_and_revoked(admin: Page, served: ControlPlane) -> None:

@@ -23,6 +23,8 @@ const FIELD_WORDS = {
   name: "Name",
   user: "User id",
   scope: "Scope",
+  target: "Target",
+  target_kind: "Kind",
 };
 
 // The server's messages name fields and pydantic's rules; say the same in plain words.

@@ -1,14 +1,30 @@
-// Audit log: who changed what, before and after; filter by target (deep link ?target=).
+// Audit log: who changed what, before and after; filter by target and its kind (deep link
+// ?target=&target_kind=), page back to the first entry (?before_id=); a bulk change opens
+// the users it changed, a page at a time.
 
 import { api } from "../api.js";
-import { fmtRateUnit, fmtTime, h, plural, section, table } from "../dom.js";
+import { fmtRateUnit, fmtTime, h, section, table } from "../dom.js";
+import { clearErrors, fieldError, toast } from "../feedback.js";
 import { link, replaceParams } from "../router.js";
+
+const PAGE = 100;
+const DETAIL_PAGE = 100;
+const HEADERS = ["When", "Who", "What", "Target", "Before", "After"];
+
+// target_kind (GET /audit) -> how the filter offers it ("": a user with its bulk changes)
+const KINDS = {
+  "": "User, with the bulk changes that touched it",
+  user: "User, its own changes only",
+  bulk: "Bulk changes (of a user, if given)",
+  tier: "Tier",
+  default: "Default limit",
+  token: "Viewer token (its id)",
+};
 
 // A record as words:
 // {"tier": "pro", "output_tokens_per_second": 7} -> "tier pro, override 7 tok/s".
 export function describe(action, value) {
   if (value === null || value === undefined) return "–";
-  if (action === "bulk_put_limits") return plural(Object.keys(value).length, "user");
   if (typeof value !== "object") return String(value);
   const parts = [];
   if ("tier" in value) parts.push(value.tier === null ? "no tier" : `tier ${value.tier}`);
@@ -26,66 +42,227 @@ export function describe(action, value) {
   return parts.join(", ");
 }
 
-function targetLink(entry) {
-  if (/(limit|key)$/.test(entry.action) && entry.action !== "bulk_put_limits")
-    return h("a", { href: link("users", entry.target) }, entry.target);
-  if (/tier$/.test(entry.action)) return h("a", { href: link("tiers") }, entry.target);
-  return entry.target;
+const detailId = (entry) => `audit-detail-${entry.id}`;
+
+// The users a bulk entry changed, read a page at a time from GET /audit/{id}/changes.
+function bulkDetail(entry) {
+  const rows = h("tbody");
+  const more = h("button", { type: "button", class: "secondary", hidden: true }, "More users");
+  let after = null;
+  async function load() {
+    const params = new URLSearchParams({ limit: String(DETAIL_PAGE) });
+    if (after !== null) params.set("after", after);
+    const page = await api("GET", `/audit/${entry.id}/changes?${params}`);
+    rows.append(
+      ...page.items.map((c) =>
+        h(
+          "tr",
+          { dataset: { user: c.target } },
+          h(
+            "td",
+            { dataset: { label: "User" } },
+            h("a", { href: link("users", c.target) }, c.target),
+          ),
+          h("td", { dataset: { label: "Before" } }, describe(entry.action, c.before)),
+          h("td", { dataset: { label: "After" } }, describe(entry.action, c.after)),
+        ),
+      ),
+    );
+    after = page.next_after;
+    more.hidden = after === null;
+  }
+  more.addEventListener("click", () => load().catch((error) => toast(error.message, "error")));
+  const el = h(
+    "tr",
+    { class: "audit-detail", id: detailId(entry) },
+    h(
+      "td",
+      { colspan: HEADERS.length },
+      h(
+        "table",
+        { class: "compact" },
+        h("caption", { class: "visually-hidden" }, `the users of bulk change ${entry.id}`),
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            ["User", "Before", "After"].map((t) => h("th", { scope: "col" }, t)),
+          ),
+        ),
+        rows,
+      ),
+      more,
+    ),
+  );
+  return { el, load };
 }
 
-export function auditTable(items, caption = "audit log") {
-  return table(
-    caption,
-    ["When", "Who", "What", "Target", "Before", "After"],
-    items.map((e) =>
+function targetCell(entry, open) {
+  const { target_kind: kind, target } = entry;
+  if (kind === "user") return h("a", { href: link("users", target) }, target);
+  if (kind === "tier") return h("a", { href: link("tiers") }, `tier ${target}`);
+  if (kind === "token") return `viewer token ${target}`;
+  if (kind !== "bulk") return target;
+  const button = h(
+    "button",
+    {
+      type: "button",
+      class: "secondary",
+      "aria-expanded": String(open.has(entry.id)),
+      "aria-controls": detailId(entry),
+    },
+    `${target} ▾`,
+  );
+  button.addEventListener("click", async () => {
+    const row = button.closest("tr");
+    if (open.has(entry.id)) {
+      open.get(entry.id).el.remove();
+      open.delete(entry.id);
+      button.setAttribute("aria-expanded", "false");
+      return;
+    }
+    const detail = bulkDetail(entry);
+    open.set(entry.id, detail);
+    row.after(detail.el);
+    button.setAttribute("aria-expanded", "true");
+    try {
+      await detail.load();
+    } catch (error) {
+      toast(error.message, "error");
+    }
+  });
+  return button;
+}
+
+// A bulk entry's before/after: what it did to the user the list is filtered by, if any.
+function sides(entry) {
+  if (entry.target_kind !== "bulk")
+    return [describe(entry.action, entry.before), describe(entry.action, entry.after)];
+  if (entry.change)
+    return [
+      describe(entry.action, entry.change.before),
+      describe(entry.action, entry.change.after),
+    ];
+  const perUser = () => h("span", { class: "hint" }, "per user (open the target)");
+  return [perUser(), perUser()];
+}
+
+// `open`: bulk entry id -> its opened detail, kept by the caller so that a refresh keeps
+// what the operator opened (and what it loaded).
+export function auditTable(items, caption = "audit log", open = new Map()) {
+  const rows = [];
+  for (const e of items) {
+    const [before, after] = sides(e);
+    rows.push(
       h(
         "tr",
-        {},
+        { dataset: { id: e.id, kind: e.target_kind } },
         h("td", {}, fmtTime(e.at)),
         h("td", {}, e.actor),
         h("td", {}, e.action.replace(/_/g, " ")),
-        h("td", {}, targetLink(e)),
-        h("td", {}, describe(e.action, e.before)),
-        h("td", {}, describe(e.action, e.after)),
+        h("td", {}, targetCell(e, open)),
+        h("td", {}, before),
+        h("td", {}, after),
       ),
-    ),
-    { id: "audit" },
-    { stack: true },
-  );
+    );
+    if (open.has(e.id)) rows.push(open.get(e.id).el);
+  }
+  return table(caption, HEADERS, rows, { id: "audit" }, { stack: true });
 }
 
 export async function render(main, route) {
+  const p = route.params;
   const target = h("input", {
     id: "audit-target",
     type: "search",
-    value: route.params.get("target") || "",
+    value: p.get("target") || "",
     autocomplete: "off",
+    "data-field": "target",
   });
+  const kind = h(
+    "select",
+    { id: "audit-kind", "data-field": "target_kind" },
+    Object.entries(KINDS).map(([value, label]) => h("option", { value }, label)),
+  );
+  kind.value = p.get("target_kind") || "";
+  // The page shown: entries below `before` (null: the newest), and the pages above it.
+  let before = Number(p.get("before_id")) || null;
+  let above = [];
+  const open = new Map();
   const box = h("div");
+  const position = h("p", { id: "audit-position", class: "hint", "aria-live": "polite" });
+  const newer = h("button", { type: "button", class: "secondary", id: "audit-newer" }, "← Newer");
+  const older = h("button", { type: "button", class: "secondary", id: "audit-older" }, "Older →");
+  let nextBefore = null;
   const form = h(
     "form",
-    { class: "row", role: "search" },
-    h("label", { for: "audit-target" }, "Target (user, tier, default)"),
-    target,
+    { class: "filters", role: "search", id: "audit-filter" },
+    h("div", { class: "field" }, h("label", { for: "audit-target" }, "Target"), target),
+    h("div", { class: "field" }, h("label", { for: "audit-kind" }, "Kind"), kind),
     h("button", { type: "submit" }, "Filter"),
   );
+  const filters = () => ({ target: target.value.trim(), target_kind: kind.value });
+  const go = (newBefore) => {
+    before = newBefore;
+    replaceParams("audit", null, { ...filters(), before_id: before ?? "" });
+    return show();
+  };
   form.addEventListener("submit", (event) => {
     event.preventDefault();
-    replaceParams("audit", null, { target: target.value.trim() });
-    refresh();
+    above = [];
+    open.clear();
+    go(null);
   });
+  older.addEventListener("click", () => {
+    above.push(before);
+    go(nextBefore);
+  });
+  newer.addEventListener("click", () => go(above.length ? above.pop() : null));
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Audit log"),
-    section("Changes, newest first", form, box),
+    section("Changes, newest first", form, box, h("div", { class: "row" }, newer, older, position)),
   );
   async function refresh() {
-    const params = new URLSearchParams({ limit: "200" });
-    if (target.value.trim()) params.set("target", target.value.trim());
-    const { items } = await api("GET", `/audit?${params}`);
+    const params = new URLSearchParams({ limit: String(PAGE) });
+    for (const [key, value] of Object.entries(filters())) if (value) params.set(key, value);
+    if (before !== null) params.set("before_id", String(before));
+    const page = await api("GET", `/audit?${params}`);
+    nextBefore = page.next_before_id;
     box.replaceChildren(
-      items.length ? auditTable(items) : h("p", { class: "hint" }, "No entries."),
+      page.items.length
+        ? auditTable(page.items, "audit log", open)
+        : h("p", { class: "hint" }, "No entries."),
     );
+    newer.disabled = before === null;
+    // After a reload the pages above are not known: back to the newest.
+    newer.textContent = before !== null && !above.length ? "← Newest" : "← Newer";
+    older.disabled = nextBefore === null;
+    position.textContent =
+      nextBefore === null
+        ? page.items.length
+          ? "The last row is the first entry."
+          : ""
+        : before === null
+          ? "The newest entries."
+          : "Older entries.";
   }
-  await refresh();
-  return { refresh, interval: 10000 };
+  // A filter the server refuses is said next to its field.
+  async function show() {
+    clearErrors(form);
+    try {
+      await refresh();
+    } catch (error) {
+      if (error.status !== 422) throw error;
+      box.replaceChildren();
+      fieldError(form, error.field, error.message);
+    }
+  }
+  await show();
+  // While a refused filter is shown, the timer leaves it (and the focus) alone.
+  return {
+    refresh: () => (form.querySelector(".field-error") ? null : refresh()),
+    interval: 10000,
+  };
 }

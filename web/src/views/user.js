@@ -22,6 +22,8 @@ export async function render(main, route) {
   const summary = h("div", { id: "user-summary" });
   const formBox = h("div");
   const auditBox = h("div");
+  // Bulk changes opened in the history, kept across refreshes.
+  const openBulks = new Map();
   const sharesBox = h("div", { id: "user-shares" });
   const keys = apiKeysSection(user);
   const chart = historyChart({
@@ -36,7 +38,19 @@ export async function render(main, route) {
     section("API keys", keys.el),
     section("Fleet shares", sharesBox),
     section("Rate against the limit", chart.el),
-    section("Changes to this user", auditBox),
+    section(
+      "Changes to this user",
+      auditBox,
+      h(
+        "p",
+        {},
+        h(
+          "a",
+          { href: link("audit", null, { target: user }), id: "user-audit-link" },
+          `All changes to ${user} in the audit log`,
+        ),
+      ),
+    ),
   );
 
   let tiers = [];
@@ -230,7 +244,7 @@ export async function render(main, route) {
     sharesBox.replaceChildren(sharesView(view));
     auditBox.replaceChildren(
       audit.items.length
-        ? auditTable(audit.items, `changes to ${user}`)
+        ? auditTable(audit.items, `changes to ${user}`, openBulks)
         : h("p", { class: "hint" }, "No changes recorded."),
     );
     const key = JSON.stringify([
