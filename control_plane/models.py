@@ -202,6 +202,8 @@ class AuditUser(Base):
     it, by this primary key, without reading the entries' JSON of every user."""
 
     __tablename__ = "audit_targets"
+    # SQLite: the rows are their primary key's B-tree (no second tree to write per user).
+    __table_args__ = {"sqlite_with_rowid": False}
 
     user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), primary_key=True)
     audit_id: Mapped[int] = mapped_column(

@@ -103,6 +103,7 @@ def upgrade() -> None:
             name=op.f("fk_audit_targets_audit_id_audit_log"),
         ),
         sa.PrimaryKeyConstraint("user", "audit_id", name=op.f("pk_audit_targets")),
+        sqlite_with_rowid=False,
     )
     _fill_audit_targets(audit_targets)
 
