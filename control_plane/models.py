@@ -181,8 +181,10 @@ class AuditEntry(Base):
     __tablename__ = "audit_log"
     __table_args__ = (
         CheckConstraint(_target_kind_check("target_kind"), name="target_kind_valid"),
-        # A target's entries, newest first: one index range for GET /audit?target=.
+        # A target's entries, and a kind's, newest first: one index range each for
+        # GET /audit?target= and ?target_kind=.
         Index("ix_audit_log_target_kind_target_id", "target_kind", "target", "id"),
+        Index("ix_audit_log_target_kind_id", "target_kind", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -88,6 +88,7 @@ def upgrade() -> None:
         batch_op.create_index(
             "ix_audit_log_target_kind_target_id", ["target_kind", "target", "id"], unique=False
         )
+        batch_op.create_index("ix_audit_log_target_kind_id", ["target_kind", "id"], unique=False)
     audit_targets = op.create_table(
         "audit_targets",
         sa.Column(
@@ -132,6 +133,7 @@ def downgrade() -> None:
         .values(target=sa.literal(TOKEN_PREFIX) + audit_log.c.target)
     )
     with op.batch_alter_table("audit_log", schema=None) as batch_op:
+        batch_op.drop_index("ix_audit_log_target_kind_id")
         batch_op.drop_index("ix_audit_log_target_kind_target_id")
         batch_op.drop_constraint(op.f("ck_audit_log_target_kind_valid"), type_="check")
         batch_op.drop_column("target_kind")
