@@ -1,6 +1,7 @@
 // One user's page: the record, its scope and the shares engines hold of a fleet limit, a
 // form that changes only what was changed (merge patch), removal with its effect stated,
-// its API keys, the rate against the limit over time, its audit trail.
+// its API keys, the rate against the limit over time, its audit trail (with the bulk
+// changes that touched it).
 
 import { api, mergePatch, userPath } from "../api.js";
 import { apiKeysSection } from "../api-keys.js";
