@@ -10,9 +10,12 @@ limits"):
   after the head's first byte on a kept-alive connection;
 - a request body may pause at most `idle_timeout_s`, and so may a client that stops
   reading its response;
-- beyond `max_connections` open at once, a new connection gets a 503 with Retry-After as
-  soon as its head arrives (it has SHED_HEADER_TIMEOUT_S for it); beyond `max_open` it is
-  closed at once, unread. A connection already open is never shed.
+- at `max_connections` open, a new connection takes the place of the oldest one yet to
+  send its first whole request head (so a flood of silent connections cannot lock out a
+  client that talks); when every open connection has sent a request, the new one gets a
+  503 with Retry-After as soon as its head arrives (within SHED_HEADER_TIMEOUT_S), and
+  beyond `max_open` it is closed at once, unread. A connection that has sent a request is
+  never turned away for a new one.
 
 Time the server itself does not read (a pipelined request waiting for the one before it, a
 body the application has not asked for yet) and a client waiting for its 100 Continue are
@@ -145,33 +148,32 @@ def http_limits(settings: Settings, num_files: int) -> HttpLimits:
 
 
 class _ShedLog:
-    """Counts connections refused for being over the bounds; warns at most once per
-    SHED_LOG_INTERVAL_S."""
+    """Counts connections turned away at the bounds; warns at most once per
+    SHED_LOG_INTERVAL_S, with the counts since the last warning."""
 
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
-        self.num_shed = 0
-        self.num_closed = 0
+        # how a connection was turned away -> how many since the last warning
+        self.counts = {"dropped": 0, "shed": 0, "closed": 0}
         self._last_warning = -SHED_LOG_INTERVAL_S
 
-    def note(self, *, closed: bool) -> None:
-        if closed:
-            self.num_closed += 1
-        else:
-            self.num_shed += 1
+    def note(self, how: str) -> None:
+        self.counts[how] += 1
         now = time.monotonic()
         if now - self._last_warning < SHED_LOG_INTERVAL_S:
             return
         self._last_warning = now
         logger.warning(
-            "over %d HTTP connections (%s): %d answered 503, %d over %d closed unread",
+            "%d HTTP connections open (%s): %d yet to send a request dropped for new ones, "
+            "%d answered 503, %d over %d closed unread",
             self.limits.max_connections,
             variable("http_max_connections"),
-            self.num_shed,
-            self.num_closed,
+            self.counts["dropped"],
+            self.counts["shed"],
+            self.counts["closed"],
             self.limits.max_open,
         )
-        self.num_shed = self.num_closed = 0
+        self.counts = dict.fromkeys(self.counts, 0)
 
 
 def _error_body(detail: str) -> bytes:
@@ -198,6 +200,8 @@ class GuardedProtocol(asyncio.Protocol):
     limits: ClassVar[HttpLimits]
     parser: ClassVar[str]
     shed_log: ClassVar[_ShedLog]
+    # The connections yet to send their first whole request head, oldest first.
+    first_heads: ClassVar[dict[GuardedProtocol, None]]
     shed_body: ClassVar[bytes]
     # uvicorn's (UVICORN_MEMBERS)
     app: Any
@@ -220,13 +224,22 @@ class GuardedProtocol(asyncio.Protocol):
         self._head_bytes = False
         self._header_timeout_s = self.limits.header_timeout_s
         if num_open >= self.limits.max_open:
-            self.shed_log.note(closed=True)
+            self.shed_log.note("closed")
             self.transport.close()
             return
-        if num_open >= self.limits.max_connections:
-            self.shed_log.note(closed=False)
+        if num_open >= self.limits.max_connections and not self.first_heads:
+            self.shed_log.note("shed")
             self.app = self._shed
             self._header_timeout_s = min(SHED_HEADER_TIMEOUT_S, self._header_timeout_s)
+        else:
+            if num_open >= self.limits.max_connections:
+                # Room for this one: the oldest connection yet to send a whole request
+                # goes, so silent connections cannot lock out a client that talks.
+                self.shed_log.note("dropped")
+                next(iter(self.first_heads))._drop(
+                    "request head: not complete when its connection was needed"
+                )
+            self.first_heads[self] = None
         self._rearm()
 
     def data_received(self, data: bytes) -> None:
@@ -258,6 +271,7 @@ class GuardedProtocol(asyncio.Protocol):
             self._write_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.first_heads.pop(self, None)
         for timer in (self._timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
@@ -272,6 +286,7 @@ class GuardedProtocol(asyncio.Protocol):
         cycle = self.cycle
         if cycle is not self._cycle_seen:
             self._cycle_seen = cycle
+            self.first_heads.pop(self, None)
             self._head_since = None
             self._head_bytes = False
         if self._receiving_body():
@@ -303,12 +318,17 @@ class GuardedProtocol(asyncio.Protocol):
             self._arm(self.loop.time() + self.limits.idle_timeout_s)
             return
         if self._receiving_body():
-            detail = f"request body: nothing received for {self.limits.idle_timeout_s:g} s"
-            answer = not cycle.response_started
+            if not cycle.response_started:
+                detail = f"request body: nothing received for {self.limits.idle_timeout_s:g} s"
+                self.transport.write(_timeout_response(detail))
+            self.transport.close()
         else:
-            detail = f"request head: not complete within {self._header_timeout_s:g} s"
-            answer = self._head_bytes
-        if answer:
+            self._drop(f"request head: not complete within {self._header_timeout_s:g} s")
+
+    def _drop(self, detail: str) -> None:
+        """Close a connection owing a request head: with a 408 if part of it came."""
+        self.first_heads.pop(self, None)
+        if self._head_bytes:
             self.transport.write(_timeout_response(detail))
         self.transport.close()
 
@@ -381,6 +401,7 @@ def guarded_protocol(limits: HttpLimits) -> type[GuardedProtocol]:
         "limits": limits,
         "parser": parser,
         "shed_log": _ShedLog(limits),
+        "first_heads": {},
         "shed_body": shed_body,
     }
     return type(f"Guarded{base.__name__}", (GuardedProtocol, base), attributes)
