@@ -250,14 +250,31 @@ class Database:
 
     def open_connections(self) -> None:
         """Open now every connection a request or a usage flush would otherwise open
-        while serving: the writer thread's, the event loop's own on SQLite (call this on
-        the loop's thread), and the pool's idle ones."""
-        self._writer.submit(self._writer_connection).result()
-        if self._on_loop:
-            self._inline_connection()
+        while serving, each with all its files: the writer thread's, the event loop's
+        own on SQLite (call this on the loop's thread), and the pool's idle ones."""
+        self._writer.submit(self._open_writer_connection).result()
         pooled = [self.engine.connect() for _ in range(_POOL["pool_size"])]
+        for conn in [self._inline_connection()] if self._on_loop else []:
+            self._open_files(conn)
         for conn in pooled:
+            self._open_files(conn)
             conn.close()  # back to the pool, which keeps it open
+
+    def _open_writer_connection(self) -> None:
+        conn = self._writer_connection()
+        if self._on_loop:
+            # SQLite makes the -wal file at the first write after the last connection
+            # closed, and a connection opens it at its next read: write once (the
+            # header's user_version, to the value it has) so that each can open it now.
+            with conn.begin():
+                version = int(conn.exec_driver_sql("PRAGMA user_version").scalar_one())
+                conn.exec_driver_sql(f"PRAGMA user_version = {version}")
+        self._open_files(conn)
+
+    def _open_files(self, conn: Connection) -> None:
+        if self._on_loop:
+            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
+            conn.rollback()
 
     def _write_on_writer(self, work: Callable[[Connection], T]) -> T:
         result = self._run_write(self._writer_connection(), work, wait=True)
