@@ -227,20 +227,25 @@ class GuardedProtocol(asyncio.Protocol):
             self.shed_log.note("closed")
             self.transport.close()
             return
-        if num_open >= self.limits.max_connections and not self.first_heads:
+        if num_open >= self.limits.max_connections and not self._make_room():
             self.shed_log.note("shed")
             self.app = self._shed
             self._header_timeout_s = min(SHED_HEADER_TIMEOUT_S, self._header_timeout_s)
         else:
-            if num_open >= self.limits.max_connections:
-                # Room for this one: the oldest connection yet to send a whole request
-                # goes, so silent connections cannot lock out a client that talks.
-                self.shed_log.note("dropped")
-                next(iter(self.first_heads))._drop(
-                    "request head: not complete when its connection was needed"
-                )
             self.first_heads[self] = None
         self._rearm()
+
+    def _make_room(self) -> bool:
+        """Drop the oldest connection yet to send a whole request head, so that silent
+        connections cannot lock out a client that talks; False if there is none."""
+        while self.first_heads:
+            oldest = next(iter(self.first_heads))
+            del self.first_heads[oldest]
+            if not oldest.transport.is_closing():
+                self.shed_log.note("dropped")
+                oldest._drop("request head: not complete when its connection was needed")
+                return True
+        return False
 
     def data_received(self, data: bytes) -> None:
         cycle = self.cycle
