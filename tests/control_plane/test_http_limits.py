@@ -5,6 +5,7 @@ go on through it all."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import resource
 import selectors
@@ -413,3 +414,37 @@ def test_serve_raises_its_open_file_limit_and_says_so(tmp_path: Path) -> None:
     if hard > 1000:
         assert f"open-file limit {hard} (raised from 1000)" in log, log
     assert f"{hard}" in next(line for line in limits.splitlines() if "open files" in line)
+
+
+class RequestResponseCycle:
+    """A request cycle of a uvicorn that no longer tracks whether the body has come."""
+
+    def __init__(self) -> None:
+        self.response_complete = False
+        self.response_started = False
+        self.waiting_for_100_continue = False
+
+
+class OtherProtocol(asyncio.Protocol):
+    """An HTTP protocol without uvicorn's response hook."""
+
+    def __init__(self) -> None:
+        self.app = self.cycle = self.flow = self.loop = None
+        self.connections: set[object] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+
+def test_the_guard_checks_what_it_uses_of_uvicorn() -> None:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from control_plane.http_server import _missing_members
+
+    assert _missing_members(H11Protocol) == []
+    assert _missing_members(HttpToolsProtocol) == []
+    assert _missing_members(OtherProtocol) == [
+        "protocol methods.on_response_complete",
+        "RequestResponseCycle.more_body",
+    ]
