@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
@@ -262,10 +263,12 @@ class Database:
 
     def _open_writer_connection(self) -> None:
         conn = self._writer_connection()
-        if self._on_loop:
+        database = self.engine.url.database
+        if self._on_loop and database and not Path(f"{database}-wal").exists():
             # SQLite makes the -wal file at the first write after the last connection
             # closed, and a connection opens it at its next read: write once (the
             # header's user_version, to the value it has) so that each can open it now.
+            # (When the file is there, another connection holds it: no write needed.)
             with conn.begin():
                 version = int(conn.exec_driver_sql("PRAGMA user_version").scalar_one())
                 conn.exec_driver_sql(f"PRAGMA user_version = {version}")
