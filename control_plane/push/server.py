@@ -72,6 +72,11 @@ MAX_MESSAGES_PER_DRAIN = 1000
 # Connections bound to an engine at once; more are refused (each holds a snapshot's
 # worth of socket buffer while it reads).
 MAX_PEERS = 1024
+# Connections that have not proved themselves yet (acknowledged a snapshot) at once, and
+# how long one may stay so: a flood of fresh engine ids takes at most these slots, for at
+# most that long, and never a known engine's (docs/live-push.md, "Unproven connections").
+MAX_UNPROVEN_PEERS = 64
+UNPROVEN_GRACE_S = 10.0
 # Malformed or refused engine messages: the first of each kind is logged, then one
 # summary line per this interval with the counts.
 DROP_LOG_INTERVAL_S = 60.0
@@ -134,6 +139,10 @@ class Peer:
     last_snapshot_at: float = float("-inf")
     # The version of a snapshot sent and not acknowledged yet (None: none in flight).
     unread_snapshot: int | None = None
+    # It acknowledged a snapshot here, or its engine id applied one before: only then is
+    # it shown in GET /engines and exempt from the unproven bound.
+    proven: bool = False
+    bound_at: float = field(default_factory=time.monotonic)
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -201,6 +210,10 @@ class PushServer:
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
         self.num_snapshots_sent = 0
+        self.num_unproven = 0
+        # Engine ids that applied a version here before (loaded at start, then as peers
+        # prove themselves): they bind whatever the unproven connections hold.
+        self._known_ids: set[str] = set()
         self.num_frames_unsent = 0
         self._next_sweep = 0.0
         self._context = zmq.Context()
@@ -307,6 +320,7 @@ class PushServer:
         self._wake_sender = make_socket(self._context, zmq.PAIR)
         self._wake_sender.connect(self._wake_address)
         self._mark_all_disconnected()
+        self._known_ids = self._db.run_now(engines.applied_engine_ids)
         self._thread = threading.Thread(
             target=self._loop, args=(router, wake_receiver), name="output-rate-push", daemon=True
         )
@@ -451,6 +465,7 @@ class PushServer:
             unread = peer.unread_snapshot
             if isinstance(message, p.Ack) and unread is not None and message.version >= unread:
                 peer.unread_snapshot = None
+                self._prove(peer)
         elif isinstance(message, p.KeyUse):
             if peer.role != p.API_ROLE:
                 self.drops.note("key use from an engine core", repr(peer.engine_id))
@@ -512,15 +527,40 @@ class PushServer:
         if len(self.peers) >= MAX_PEERS:
             self.drops.note("too many connections", f"at most {MAX_PEERS}")
             return None
-        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, role=role, key=key)
+        known = engine_id in self._known_ids
+        if not known and self.num_unproven >= MAX_UNPROVEN_PEERS:
+            self.drops.note(
+                "too many connections that have not acknowledged a snapshot",
+                f"at most {MAX_UNPROVEN_PEERS}",
+            )
+            return None
+        peer = self.peers[identity] = Peer(
+            engine_id=engine_id, model=model, role=role, key=key, proven=known, bound_at=now
+        )
         peer.last_seen = now
         self._owners[engine_id, role] = identity
-        self._dirty.add(identity)
+        if known:
+            self._dirty.add(identity)
+        else:
+            self.num_unproven += 1
         return peer
+
+    def _prove(self, peer: Peer) -> None:
+        """A peer acknowledged a snapshot: it reads and speaks the protocol."""
+        if peer.proven:
+            return
+        peer.proven = True
+        self.num_unproven -= 1
+        self._known_ids.add(peer.engine_id)
+        identity = self._owners.get((peer.engine_id, peer.role))
+        if identity is not None:
+            self._dirty.add(identity)
 
     def _forget(self, identity: bytes) -> Peer | None:
         peer = self.peers.pop(identity, None)
         self._dirty.discard(identity)
+        if peer is not None and not peer.proven:
+            self.num_unproven -= 1
         if peer is not None and self._owners.get((peer.engine_id, peer.role)) == identity:
             del self._owners[peer.engine_id, peer.role]
         return peer
@@ -609,9 +649,12 @@ class PushServer:
 
     def _beat(self, router: zmq.Socket, now: float) -> None:
         for identity, peer in list(self.peers.items()):
+            if not peer.proven and now - peer.bound_at > UNPROVEN_GRACE_S:
+                self._forget(identity)  # it never acknowledged its snapshot: no row to mark
+                continue
             if now - peer.last_seen > self._engine_timeout_s:
                 self._forget(identity)
-                if (peer.engine_id, peer.role) not in self._owners:
+                if peer.proven and (peer.engine_id, peer.role) not in self._owners:
                     self._set_disconnected(peer.engine_id, peer.role)
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
@@ -635,7 +678,7 @@ class PushServer:
                 role=peer.role,
             )
             for peer in (self.peers.get(identity) for identity in self._dirty)
-            if peer is not None
+            if peer is not None and peer.proven
         }
         self._dirty.clear()
         try:
