@@ -20,6 +20,11 @@ client sends what changed, and the whole map after every snapshot and every few
 seconds. Shares arrive as their own messages, are applied by the table on the engine
 thread like deltas, and acknowledged; past their lease the table falls back to safe
 shares.
+
+The connection itself (IO thread, HELLO, snapshot then gap-free deltas, acks,
+heartbeats, resync with backoff) is ``PushConnection``; what a connection applies
+is its subclass's: ``PushClient`` (role "engine", the limiter) here, ``KeyClient``
+(role "api", the API keys of an engine's API server) in engine_ext/key_client.py.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -57,10 +63,16 @@ def _reportable(counts: dict[str, int]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class _PreparedSnapshot:
-    """A snapshot decoded and flattened off the engine thread."""
+class _Prepared:
+    """A snapshot made ready off the applying thread (each connection says how)."""
 
     version: int
+
+
+@dataclass(frozen=True)
+class _PreparedSnapshot(_Prepared):
+    """An engine's snapshot, decoded and flattened off the engine thread."""
+
     table: LimitTable
     # The limiter's entries before any share (milli-tokens/s).
     default_milli: int | None
@@ -72,16 +84,27 @@ class _PreparedSnapshot:
         return cls(snapshot.version, table, table.default_milli(), table.user_millis())
 
 
-# What the IO thread hands the engine thread: a frame to decode, a snapshot it
-# already decoded (100,000 users take ~70 ms to decode and flatten; the engine
+# What the IO thread hands the applying thread: a frame to decode, a snapshot it
+# already prepared (100,000 users take ~70 ms to decode and flatten; the engine
 # thread then only swaps the limiter's table), or SILENT: no word from the
 # server for silence_s.
-_Inbound = bytes | _PreparedSnapshot | None
+_Inbound = bytes | _Prepared | None
 SILENT = None
 
 
-class PushClient:
-    """One engine's connection to the control plane's push endpoint."""
+class PushConnection:
+    """One connection to the control plane's push endpoint, whatever it applies.
+
+    The rules every receiver follows live here: a HELLO on each new connection, a
+    snapshot before anything else, deltas applied only in order (a gap, a silent
+    server or a bad frame ask for a snapshot, with backoff), an ACK per applied
+    version, heartbeats both ways. A subclass says what a snapshot becomes
+    (``_prepare``, on the IO thread), how it is installed (``_install_snapshot``) and
+    what an op does (``_apply_op``), all on the applying thread: whichever thread
+    calls ``_drain``, one at a time.
+    """
+
+    role: p.Role = p.ENGINE_ROLE
 
     def __init__(
         self,
@@ -115,9 +138,10 @@ class PushClient:
         os.set_blocking(self._wake_write, False)
         self._snapshot_seen = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._io_loop, name="output-rate-push", daemon=True)
-        # Engine-thread state.
-        self.table = LimitTable()
+        self._thread = threading.Thread(
+            target=self._io_loop, name=f"output-rate-push-{self.role}", daemon=True
+        )
+        # Applying-thread state.
         self.applied_version = 0
         self.has_snapshot = False
         # Waiting for a snapshot: deltas are ignored until it arrives.
@@ -126,18 +150,31 @@ class PushClient:
         # Grows while asked-for snapshots do not come (a loaded server or engine must
         # not be buried under more snapshots); back to resync_retry_s once one lands.
         self._resync_wait_s = resync_retry_s
-        self._last_usage_at = time.monotonic()
-        # user -> streams, as the control plane last heard them from this engine
-        self.demand_sent: dict[str, int] = {}
-        self._full_demand_due = True
-        self._last_full_demand_at = 0.0
         self.num_dropped = 0
         self.num_resyncs = 0
         # IO-thread state.
         self.num_silences = 0
         self.num_reconnects = 0
 
-    # ---- engine thread --------------------------------------------------
+    # ---- what a subclass applies (applying thread; _prepare on the IO thread) ----
+
+    def _prepare(self, snapshot: p.Snapshot) -> _Prepared:
+        raise NotImplementedError
+
+    def _install_snapshot(self, prepared: _Prepared) -> None:
+        raise NotImplementedError
+
+    def _apply_op(self, op: p.Op) -> None:
+        raise NotImplementedError
+
+    def _handle_other(self, message: p.Message) -> None:
+        """A message that is neither snapshot, delta nor heartbeat."""
+        raise p.ProtocolError(f"unexpected {type(message).__name__} from the control plane")
+
+    def _on_io_tick(self) -> None:
+        """Called by the IO thread after every poll (at least once a heartbeat interval)."""
+
+    # ---- applying thread --------------------------------------------------
 
     @property
     def is_in_sync(self) -> bool:
@@ -166,27 +203,11 @@ class PushClient:
         os.close(self._wake_write)
 
     def wait_for_snapshot(self, timeout_s: float) -> bool:
-        """Block until the first snapshot has arrived (``apply_pending`` applies it)."""
+        """Block until the first snapshot has arrived (the applying thread applies it)."""
         return self._snapshot_seen.wait(timeout_s)
 
-    @property
-    def demand_due(self) -> bool:
-        """The control plane should hear this engine's whole demand now."""
-        return self._full_demand_due
-
-    def apply_pending(self, limiter: OutputRateLimiter, now_ns: int | None = None) -> int:
-        """Apply what arrived since the last call; return the number of versions applied.
-
-        ``now_ns`` (the scheduler's clock) times the lease of the fleet shares."""
-        fleet = self.table.fleet
-        if fleet.lease_expires_ns is not None:
-            now_ns = time.monotonic_ns() if now_ns is None else now_ns
-            if self.table.expire_lease(limiter, now_ns):
-                logger.warning(
-                    "output-rate: no share renewal from the control plane within the lease; "
-                    "fleet limits fall back to safe shares (limit / %d engines)",
-                    self.table.num_engines,
-                )
+    def _drain(self) -> int:
+        """Apply what arrived since the last call; return the number of versions applied."""
         inbound = self._inbound
         if inbound.empty() and not self._resyncing:
             return 0
@@ -197,10 +218,10 @@ class PushClient:
                 self._request_resync("the control plane is silent")
                 continue
             try:
-                if isinstance(item, _PreparedSnapshot):
-                    num_applied += self._install(item, limiter)
+                if isinstance(item, _Prepared):
+                    num_applied += self._install(item)
                 else:
-                    num_applied += self._handle(p.decode(item), limiter, now_ns)
+                    num_applied += self._handle(p.decode(item))
             except p.ProtocolError as e:
                 self.num_dropped += 1
                 logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
@@ -211,81 +232,19 @@ class PushClient:
             self._request_resync("no snapshot yet")
         return num_applied
 
-    def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
-        """Hand over this interval's counters (the client keeps the dicts)."""
-        now = time.monotonic()
-        interval = min(max(now - self._last_usage_at, 1e-3), 3600.0)
-        self._last_usage_at = now
-        if not granted and not throttled:
-            return
-        # What the server would refuse whole: names that are no user id (a request's
-        # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
-        granted, throttled = _reportable(granted), _reportable(throttled)
-        # Counts over one engine's bound mean the interval was measured too short.
-        interval = max(
-            interval,
-            sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
-            sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
-        )
-        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
-
-    def report_demand(self, streams: dict[str, int]) -> None:
-        """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
-        now = time.monotonic()
-        sent = self.demand_sent
-        full = self._full_demand_due or now - self._last_full_demand_at > FULL_DEMAND_INTERVAL_S
-        if full:
-            changes = streams
-            self._full_demand_due = False
-            self._last_full_demand_at = now
-        else:
-            changes = {user: n for user, n in streams.items() if sent.get(user) != n}
-            changes.update((user, 0) for user in sent if user not in streams)
-            if not changes:
-                return
-        self.demand_sent = streams
-        # Frames stay small: a full map over MAX_DEMAND_USERS goes as a full part and
-        # partial rest (names that are no user id are never fleet-limited: is_user_id).
-        items = [(user, n) for user, n in changes.items() if is_user_id(user)]
-        step = p.MAX_DEMAND_USERS
-        for start in range(0, max(len(items), 1), step):
-            part = dict(items[start : start + step])
-            self._send(p.Demand(self.engine_id, full and start == 0, part))
-
-    def _install(self, snapshot: _PreparedSnapshot, limiter: OutputRateLimiter) -> int:
+    def _install(self, prepared: _Prepared) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).
-        table = snapshot.table
-        table.adopt_fleet(self.table)
-        millis = snapshot.millis
-        if table.fleet.shares:
-            millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
-        self.table = table
-        limiter.replace_all_milli(snapshot.default_milli, millis)
-        # A snapshot follows every new connection: the server hears the whole demand.
-        self._full_demand_due = True
-        self.applied_version = snapshot.version
+        self._install_snapshot(prepared)
+        self.applied_version = prepared.version
         self.has_snapshot = True
         self._resyncing = False
         self._resync_wait_s = self._resync_retry_s
-        self._send(p.Ack(self.engine_id, snapshot.version))
+        self._send(p.Ack(self.engine_id, prepared.version))
         return 1
 
-    def _handle(
-        self, message: p.Message, limiter: OutputRateLimiter, now_ns: int | None = None
-    ) -> int:
+    def _handle(self, message: p.Message) -> int:
         if isinstance(message, p.Snapshot):
-            return self._install(_PreparedSnapshot.of(message), limiter)
-        if isinstance(message, p.Shares):
-            now_ns = time.monotonic_ns() if now_ns is None else now_ns
-            if self.table.apply_shares(message, limiter, now_ns):
-                fleet = self.table.fleet
-                assert fleet.epoch is not None
-                self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))
-            else:
-                # A gap in the share messages: the server answers a full demand
-                # report with a full table of this engine's shares.
-                self._full_demand_due = True
-            return 0
+            return self._install(self._prepare(message))
         if isinstance(message, p.Delta):
             if self._resyncing or message.version <= self.applied_version:
                 return 0  # a duplicate, or older than the snapshot on its way
@@ -293,7 +252,7 @@ class PushClient:
                 self._request_resync(f"gap: have {self.applied_version}, got {message.version}")
                 return 0
             for op in message.ops:
-                self.table.apply(op, limiter)
+                self._apply_op(op)
             self.applied_version = message.version
             self._send(p.Ack(self.engine_id, message.version))
             return 1
@@ -304,7 +263,8 @@ class PushClient:
                     f"server sent up to {message.version}, applied {self.applied_version}"
                 )
             return 0
-        raise p.ProtocolError(f"unexpected {type(message).__name__} from the control plane")
+        self._handle_other(message)
+        return 0
 
     def _request_resync(self, reason: str) -> None:
         logger.info("output-rate: requesting a snapshot (%s)", reason)
@@ -338,7 +298,7 @@ class PushClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._reconnect_after_s * 1000))
         sock.connect(self.endpoint)
         # A new connection always starts with a snapshot: HELLO makes the server send one.
-        hello = p.Hello(self.engine_id, self.model, self.applied_version)
+        hello = p.Hello(self.engine_id, self.model, self.applied_version, self.role)
         sock.send(p.encode(hello), zmq.NOBLOCK)
         return sock
 
@@ -395,7 +355,7 @@ class PushClient:
                         break
                     kind = p.peek_type(frame)
                     if kind == p.SNAPSHOT:
-                        self._inbound.put(self._prepare(frame))
+                        self._inbound.put(self._prepare_frame(frame))
                         self._snapshot_seen.set()
                     else:
                         self._inbound.put(frame)
@@ -424,17 +384,17 @@ class PushClient:
                 self.num_silences += 1
                 self._inbound.put(SILENT)
                 self._wake()
+            self._on_io_tick()
 
-    @staticmethod
-    def _prepare(frame: bytes) -> _Inbound:
-        """Decode and flatten a snapshot here, off the engine thread."""
+    def _prepare_frame(self, frame: bytes) -> _Inbound:
+        """Decode and prepare a snapshot here, off the applying thread."""
         try:
             message = p.decode(frame)
         except p.ProtocolError:
-            return frame  # the engine thread drops and counts it
+            return frame  # the applying thread drops and counts it
         if not isinstance(message, p.Snapshot):
             return frame
-        return _PreparedSnapshot.of(message)
+        return self._prepare(message)
 
     def _flush(self, sock: zmq.Socket) -> None:
         while not self._outbound.empty():
@@ -445,3 +405,119 @@ class PushClient:
                 # Not connected (or the server is not reading): acks are restated by
                 # heartbeats, a lost resync request is retried, usage is best effort.
                 return
+
+
+class PushClient(PushConnection):
+    """One engine's connection to the control plane's push endpoint: limits and fleet
+    shares into the limiter, usage and demand out."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Engine-thread state.
+        self.table = LimitTable()
+        self._last_usage_at = time.monotonic()
+        # user -> streams, as the control plane last heard them from this engine
+        self.demand_sent: dict[str, int] = {}
+        self._full_demand_due = True
+        self._last_full_demand_at = 0.0
+        # What the current apply_pending call applies to (the scheduler's limiter and clock).
+        self._limiter: OutputRateLimiter | None = None
+        self._now_ns: int | None = None
+
+    @property
+    def demand_due(self) -> bool:
+        """The control plane should hear this engine's whole demand now."""
+        return self._full_demand_due
+
+    def apply_pending(self, limiter: OutputRateLimiter, now_ns: int | None = None) -> int:
+        """Apply what arrived since the last call; return the number of versions applied.
+
+        ``now_ns`` (the scheduler's clock) times the lease of the fleet shares."""
+        fleet = self.table.fleet
+        if fleet.lease_expires_ns is not None:
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            if self.table.expire_lease(limiter, now_ns):
+                logger.warning(
+                    "output-rate: no share renewal from the control plane within the lease; "
+                    "fleet limits fall back to safe shares (limit / %d engines)",
+                    self.table.num_engines,
+                )
+        if self._inbound.empty() and not self._resyncing:
+            return 0
+        self._limiter, self._now_ns = limiter, now_ns
+        return self._drain()
+
+    def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
+        """Hand over this interval's counters (the client keeps the dicts)."""
+        now = time.monotonic()
+        interval = min(max(now - self._last_usage_at, 1e-3), 3600.0)
+        self._last_usage_at = now
+        if not granted and not throttled:
+            return
+        # What the server would refuse whole: names that are no user id (a request's
+        # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
+        granted, throttled = _reportable(granted), _reportable(throttled)
+        # Counts over one engine's bound mean the interval was measured too short.
+        interval = max(
+            interval,
+            sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
+            sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
+        )
+        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
+
+    def report_demand(self, streams: dict[str, int]) -> None:
+        """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
+        now = time.monotonic()
+        sent = self.demand_sent
+        full = self._full_demand_due or now - self._last_full_demand_at > FULL_DEMAND_INTERVAL_S
+        if full:
+            changes = streams
+            self._full_demand_due = False
+            self._last_full_demand_at = now
+        else:
+            changes = {user: n for user, n in streams.items() if sent.get(user) != n}
+            changes.update((user, 0) for user in sent if user not in streams)
+            if not changes:
+                return
+        self.demand_sent = streams
+        # Frames stay small: a full map over MAX_DEMAND_USERS goes as a full part and
+        # partial rest (names that are no user id are never fleet-limited: is_user_id).
+        items = [(user, n) for user, n in changes.items() if is_user_id(user)]
+        step = p.MAX_DEMAND_USERS
+        for start in range(0, max(len(items), 1), step):
+            part = dict(items[start : start + step])
+            self._send(p.Demand(self.engine_id, full and start == 0, part))
+
+    def _prepare(self, snapshot: p.Snapshot) -> _PreparedSnapshot:
+        return _PreparedSnapshot.of(snapshot)
+
+    def _install_snapshot(self, prepared: _Prepared) -> None:
+        assert isinstance(prepared, _PreparedSnapshot) and self._limiter is not None
+        table = prepared.table
+        table.adopt_fleet(self.table)
+        millis = prepared.millis
+        if table.fleet.shares:
+            millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
+        self.table = table
+        self._limiter.replace_all_milli(prepared.default_milli, millis)
+        # A snapshot follows every new connection: the server hears the whole demand.
+        self._full_demand_due = True
+
+    def _apply_op(self, op: p.Op) -> None:
+        assert self._limiter is not None
+        self.table.apply(op, self._limiter)
+
+    def _handle_other(self, message: p.Message) -> None:
+        if not isinstance(message, p.Shares):
+            super()._handle_other(message)
+            return
+        assert self._limiter is not None
+        now_ns = time.monotonic_ns() if self._now_ns is None else self._now_ns
+        if self.table.apply_shares(message, self._limiter, now_ns):
+            fleet = self.table.fleet
+            assert fleet.epoch is not None
+            self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))
+        else:
+            # A gap in the share messages: the server answers a full demand
+            # report with a full table of this engine's shares.
+            self._full_demand_due = True
