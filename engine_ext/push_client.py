@@ -63,14 +63,14 @@ def _reportable(counts: dict[str, int]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class Prepared:
     """A snapshot made ready off the applying thread (each connection says how)."""
 
     version: int
 
 
 @dataclass(frozen=True)
-class _PreparedSnapshot(_Prepared):
+class _PreparedSnapshot(Prepared):
     """An engine's snapshot, decoded and flattened off the engine thread."""
 
     table: LimitTable
@@ -88,7 +88,7 @@ class _PreparedSnapshot(_Prepared):
 # already prepared (100,000 users take ~70 ms to decode and flatten; the engine
 # thread then only swaps the limiter's table), or SILENT: no word from the
 # server for silence_s.
-_Inbound = bytes | _Prepared | None
+_Inbound = bytes | Prepared | None
 SILENT = None
 
 
@@ -158,10 +158,10 @@ class PushConnection:
 
     # ---- what a subclass applies (applying thread; _prepare on the IO thread) ----
 
-    def _prepare(self, snapshot: p.Snapshot) -> _Prepared:
+    def _prepare(self, snapshot: p.Snapshot) -> Prepared:
         raise NotImplementedError
 
-    def _install_snapshot(self, prepared: _Prepared) -> None:
+    def _install_snapshot(self, prepared: Prepared) -> None:
         raise NotImplementedError
 
     def _apply_op(self, op: p.Op) -> None:
@@ -218,7 +218,7 @@ class PushConnection:
                 self._request_resync("the control plane is silent")
                 continue
             try:
-                if isinstance(item, _Prepared):
+                if isinstance(item, Prepared):
                     num_applied += self._install(item)
                 else:
                     num_applied += self._handle(p.decode(item))
@@ -232,7 +232,7 @@ class PushConnection:
             self._request_resync("no snapshot yet")
         return num_applied
 
-    def _install(self, prepared: _Prepared) -> int:
+    def _install(self, prepared: Prepared) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).
         self._install_snapshot(prepared)
         self.applied_version = prepared.version
@@ -491,7 +491,7 @@ class PushClient(PushConnection):
     def _prepare(self, snapshot: p.Snapshot) -> _PreparedSnapshot:
         return _PreparedSnapshot.of(snapshot)
 
-    def _install_snapshot(self, prepared: _Prepared) -> None:
+    def _install_snapshot(self, prepared: Prepared) -> None:
         assert isinstance(prepared, _PreparedSnapshot) and self._limiter is not None
         table = prepared.table
         table.adopt_fleet(self.table)
