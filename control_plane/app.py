@@ -26,6 +26,9 @@ from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.fleet.coordinator import FleetCoordinator
 from control_plane.fleet.view import FleetView, NoFleet
+from control_plane.keys import routes as key_routes
+from control_plane.keys.bucket import TokenBucket
+from control_plane.keys.last_used import KeyUseRecorder
 from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
@@ -89,13 +92,18 @@ def create_app(
         fleet=NoFleet() if fleet is None else fleet,
         metrics=metrics,
         insecure_no_auth=insecure_no_auth,
+        key_creations=TokenBucket(
+            per_minute=settings.key_creations_per_minute, burst=settings.key_creation_burst
+        ),
     )
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
         return JSONResponse(
-            {"detail": exc.message, "field": exc.field}, status_code=exc.status_code
+            {"detail": exc.message, "field": exc.field},
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(RequestValidationError)
@@ -120,7 +128,15 @@ def create_app(
             headers=exc.headers,
         )
 
-    for domain in (routes, limit_routes, engine_routes, usage_routes, audit_routes, token_routes):
+    for domain in (
+        routes,
+        limit_routes,
+        engine_routes,
+        usage_routes,
+        audit_routes,
+        token_routes,
+        key_routes,
+    ):
         app.include_router(domain.router)
     # Inside the metrics middleware, so refused requests are counted too.
     app.add_middleware(EdgeGuard)
@@ -145,17 +161,20 @@ class Served:
     db: Database
     push: PushServer
     history: UsageRecorder
+    key_uses: KeyUseRecorder
 
 
 def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> Served:
     """The app with its push endpoint: every commit wakes the push server, engines'
-    usage reports feed GET /usage, /metrics and the usage history."""
+    usage reports feed GET /usage, /metrics and the usage history, their API servers'
+    key-use reports the keys' last_used_at."""
     db = Database(make_engine(settings.database_url))
     book = UsageBook()
     fleet = FleetCoordinator(
         lease_s=settings.share_lease_s, gone_after_s=settings.share_gone_after_s
     )
-    push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet)
+    key_uses = KeyUseRecorder(db)
+    push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet, key_uses=key_uses.add)
     db.on_commit.append(push.notify)
     history = UsageRecorder(db, retention_days=settings.usage_retention_days)
     book.on_report.append(history.add)
@@ -169,4 +188,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
     app.router.on_shutdown.append(history.close)
-    return Served(app=app, db=db, push=push, history=history)
+    # Started and closed with the app: it only writes what API servers reported.
+    app.router.on_startup.append(key_uses.start)
+    app.router.on_shutdown.append(key_uses.close)
+    return Served(app=app, db=db, push=push, history=history, key_uses=key_uses)

@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 
 from control_plane.db import Database
 from control_plane.fleet.view import FleetView
+from control_plane.keys.bucket import TokenBucket
 from control_plane.metrics import Metrics
 from control_plane.settings import Settings
 from control_plane.usage.book import UsageSource
@@ -34,6 +35,8 @@ class AppState:
     fleet: FleetView
     metrics: Metrics
     insecure_no_auth: bool
+    # What POST /users/{user}/keys takes a token from (OUTPUT_RATE_KEY_CREATIONS_PER_MINUTE).
+    key_creations: TokenBucket
 
 
 def app_state(app: Starlette) -> AppState:
@@ -62,8 +65,13 @@ async def get_metrics(request: Request) -> Metrics:
     return app_state(request.app).metrics
 
 
+async def get_key_creations(request: Request) -> TokenBucket:
+    return app_state(request.app).key_creations
+
+
 DatabaseDep = Annotated[Database, Depends(get_database)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 FleetDep = Annotated[FleetView, Depends(get_fleet)]
+KeyCreationsDep = Annotated[TokenBucket, Depends(get_key_creations)]

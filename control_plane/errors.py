@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class DomainError(Exception):
     status_code = 400
@@ -10,6 +12,11 @@ class DomainError(Exception):
         super().__init__(message)
         self.message = message
         self.field = field
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers of the HTTP response (app.py)."""
+        return {}
 
 
 class NotFound(DomainError):
@@ -22,6 +29,21 @@ class Conflict(DomainError):
 
 class InvalidInput(DomainError):
     status_code = 422
+
+
+class TooManyRequests(DomainError):
+    """A rate bound was hit; the client may retry after `retry_after_s`."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        # Retry-After takes whole seconds: rounded up, so a retry then succeeds.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class ConfigurationError(Exception):

@@ -28,6 +28,7 @@ from output_rate_core.ids import (
     MAX_TIER_NAME_LEN,
     MAX_USER_ID_LEN,
 )
+from output_rate_core.keys import KEY_ID_LEN
 from output_rate_core.limits import Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
@@ -190,6 +191,20 @@ class ViewerToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
+class ApiKey(Base):
+    """A live API key of a user (output_rate_core/keys.py): only its SHA-256 is stored.
+    Revoking deletes the row; the audit log keeps the record."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(KEY_ID_LEN), primary_key=True)
+    user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Reported by engines' API servers, written at most once a minute per key.
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
 class Engine(Base):
     """An engine that connected to the push endpoint, as last seen."""
 
@@ -199,6 +214,9 @@ class Engine(Base):
     model: Mapped[str] = mapped_column(String(MAX_MODEL_LEN), default="")
     applied_version: Mapped[int] = mapped_column(Integer, default=0)
     connected: Mapped[bool] = mapped_column(default=False)
+    # What the engine's API server (push role "api") applied while it is connected
+    # (null: none is). The other columns are the engine core's.
+    api_applied_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

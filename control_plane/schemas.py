@@ -3,9 +3,15 @@ OpenAPI schema says about errors and merge-patch bodies."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
+
+from output_rate_core.ids import MAX_USER_ID_LEN, USER_ID_PATTERN
+
+# A user id in a route's path (output_rate_core/ids.py).
+UserPath = Annotated[str, Path(min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)]
 
 
 class Body(BaseModel):

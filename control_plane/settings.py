@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     share_gone_after_s: float | None = Field(default=None, le=86_400.0)
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
+    # API keys (docs/control-plane.md, "API keys"): live keys one user may hold, and the
+    # rate of POST /users/{user}/keys this process admits (a token bucket: this many a
+    # minute on average, up to the burst at once).
+    max_keys_per_user: int = Field(default=20, ge=1, le=10_000)
+    key_creations_per_minute: int = Field(default=60, ge=1, le=1_000_000)
+    key_creation_burst: int = Field(default=20, ge=1, le=1_000_000)
 
     @field_validator("admin_token")
     @classmethod

@@ -186,6 +186,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # Set by engines, so a restarted server can tell who is talking ("" from the server).
     engine_id: Annotated[str, msgspec.Meta(max_length=ids.MAX_ENGINE_ID_LEN)] = ""
     model: ModelName = ""
+    # Set by peers like Hello.role: a restarted server binds a redialled connection by
+    # its first HEARTBEAT or RESYNC, and must know which of an engine's two it is.
+    role: Role = ENGINE_ROLE
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -200,6 +203,7 @@ class Usage(msgspec.Struct, frozen=True):
 class Resync(msgspec.Struct, frozen=True):
     engine_id: EngineId
     version: Version
+    role: Role = ENGINE_ROLE
 
 
 # ---- fleet shares (docs/fleet.md) ----------------------------------------------

@@ -56,6 +56,28 @@ def update_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     )
 
 
+def update_api_versions(
+    conn: Connection, versions: Sequence[tuple[str, int]], *, last_seen: datetime
+) -> None:
+    """(engine id, version its API server applied), on existing rows."""
+    if not versions:
+        return
+    statement = (
+        update(engines)
+        .where(engines.c.engine_id == bindparam("id"))
+        .values(api_applied_version=bindparam("new_api_version"), last_seen=last_seen)
+    )
+    conn.execute(statement, [{"id": i, "new_api_version": v} for i, v in versions])
+
+
+def clear_api_versions(conn: Connection, ids: Sequence[str] | None = None) -> None:
+    """These engines (all of them for None) have no API server connected."""
+    statement = update(engines).values(api_applied_version=None)
+    if ids is not None:
+        statement = statement.where(engines.c.engine_id.in_(ids))
+    conn.execute(statement)
+
+
 def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None) -> None:
     """Mark the given engines (all of them for None) disconnected."""
     statement = update(engines).values(connected=False)

@@ -15,6 +15,10 @@ class EngineOut(BaseModel):
     last_seen: datetime
     first_seen: datetime
     num_shared_users: int = Field(description="Fleet-scoped users it holds a share for")
+    api_applied_version: int | None = Field(
+        description="Config version the engine's API server applied (its API keys); "
+        "null: no API server of this engine is connected",
+    )
 
 
 class EngineList(BaseModel):

@@ -14,6 +14,7 @@ from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import service as limits
+from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.
 NO_FLEET = NoFleet()
@@ -21,12 +22,13 @@ NO_FLEET = NoFleet()
 
 @dataclass(frozen=True)
 class EngineSeen:
-    """An engine the push endpoint heard from."""
+    """An engine core, or an engine's API server, the push endpoint heard from."""
 
     engine_id: str
     model: str
     applied_version: int
     first_seen: datetime
+    role: p.Role = p.ENGINE_ROLE
 
 
 @service("read")
@@ -49,6 +51,10 @@ def list_engines(
             last_seen=e.last_seen,
             first_seen=e.first_seen,
             num_shared_users=fleet.num_shared_users(e.engine_id),
+            # A row nobody refreshed (the push server is gone) shows no API server.
+            api_applied_version=e.api_applied_version
+            if (now - e.last_seen).total_seconds() <= timeout_s
+            else None,
         )
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s
@@ -71,25 +77,56 @@ def delete_engine(conn: Connection, *, engine_id: str) -> None:
 
 @service("write")
 def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
-    """Engines that are connected now, as last seen (one row per engine_id)."""
+    """Engine cores and API servers that are connected now, as last seen: one row per
+    engine_id. The core owns the row's model, applied version and connected flag; its
+    API server only its api_applied_version (and keeps the row from expiring)."""
     now = datetime.now(UTC)
-    known = repo.engine_ids(conn, [e.engine_id for e in seen])
-    rows = [
-        {
-            "engine_id": e.engine_id,
-            "model": e.model,
-            "applied_version": e.applied_version,
-            "connected": True,
-            "first_seen": e.first_seen,
-            "last_seen": now,
-        }
-        for e in seen
-    ]
-    repo.insert_engines(conn, [r for r in rows if r["engine_id"] not in known])
-    repo.update_engines(conn, [r for r in rows if r["engine_id"] in known])
+    # engine id -> role -> what was seen of it
+    by_id: dict[str, dict[p.Role, EngineSeen]] = {}
+    for e in seen:
+        by_id.setdefault(e.engine_id, {})[e.role] = e
+    known = repo.engine_ids(conn, list(by_id))
+    new_rows, core_rows, api_rows = [], [], []
+    for engine_id, roles in by_id.items():
+        core, api = roles.get(p.ENGINE_ROLE), roles.get(p.API_ROLE)
+        if engine_id not in known:
+            first = core or api
+            assert first is not None
+            new_rows.append(
+                {
+                    "engine_id": engine_id,
+                    "model": core.model if core else "",
+                    "applied_version": core.applied_version if core else 0,
+                    "connected": core is not None,
+                    "api_applied_version": api.applied_version if api else None,
+                    "first_seen": first.first_seen,
+                    "last_seen": now,
+                }
+            )
+            continue
+        if core is not None:
+            core_rows.append(
+                {
+                    "engine_id": engine_id,
+                    "model": core.model,
+                    "applied_version": core.applied_version,
+                    "last_seen": now,
+                }
+            )
+        if api is not None:
+            api_rows.append((engine_id, api.applied_version))
+    repo.insert_engines(conn, new_rows)
+    repo.update_engines(conn, core_rows)
+    repo.update_api_versions(conn, api_rows, last_seen=now)
 
 
 @service("write")
-def disconnect_engines(conn: Connection, *, engine_ids: Sequence[str] | None) -> None:
-    """Mark these engines (None: every engine) disconnected."""
-    repo.set_engines_disconnected(conn, engine_ids)
+def disconnect_engines(
+    conn: Connection, *, engine_ids: Sequence[str] | None, role: p.Role = p.ENGINE_ROLE
+) -> None:
+    """Mark these engines' cores disconnected, or (role api) clear their API servers'
+    applied version; None: every engine."""
+    if role == p.API_ROLE:
+        repo.clear_api_versions(conn, engine_ids)
+    else:
+        repo.set_engines_disconnected(conn, engine_ids)

@@ -24,12 +24,11 @@ from control_plane.limits.schemas import (
     TierOut,
     TierPatch,
 )
-from control_plane.schemas import CONFLICT, ERRORS, NOT_FOUND, merge_patch_body
+from control_plane.schemas import CONFLICT, ERRORS, NOT_FOUND, UserPath, merge_patch_body
 from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
 
 router = APIRouter(responses=ERRORS)
 
-UserPath = Annotated[str, Path(min_length=1, max_length=MAX_USER_ID_LEN, pattern=USER_ID_PATTERN)]
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
 
 

@@ -324,6 +324,31 @@ def _record(
     return version
 
 
+def lock_config(conn: Connection) -> State:
+    """Take the writers' lock, as the first statement of a write of the configuration
+    (another domain's too: API keys), so that writers queue before they read what they
+    change; the state to pass to `record_change`."""
+    return repo.lock_config(conn)
+
+
+def record_change(
+    conn: Connection,
+    state: State,
+    *,
+    actor: str,
+    action: str,
+    target: str,
+    before: Any,
+    after: Any,
+    ops: list[p.Op],
+) -> int:
+    """Another domain's config write (API keys): one new version after `state`, with its
+    change-log row and its audit entry, in the caller's transaction."""
+    return _record(
+        conn, state, actor=actor, action=action, target=target, before=before, after=after, ops=ops
+    )
+
+
 def _tier_limit(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
     """The limit of `tier` (None for no tier); an unknown tier is bad input."""
     if tier is None:

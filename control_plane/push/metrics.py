@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from control_plane.push.server import PushServer
+from output_rate_core import protocol as p
 
 
 class PushCollector(Collector):
@@ -15,7 +16,8 @@ class PushCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        peers = list(self._server.peers.values())
+        everyone = list(self._server.peers.values())
+        peers = [peer for peer in everyone if peer.role == p.ENGINE_ROLE]
         connected = GaugeMetricFamily(
             "output_rate_engines_connected", "Engines connected to the push endpoint"
         )
@@ -29,6 +31,15 @@ class PushCollector(Collector):
         for peer in peers:
             applied.add_metric([peer.engine_id], peer.applied_version)
         yield applied
+        api_applied = GaugeMetricFamily(
+            "output_rate_api_server_applied_version",
+            "Config version each connected engine's API server applied (its API keys)",
+            labels=["engine_id"],
+        )
+        for peer in everyone:
+            if peer.role == p.API_ROLE:
+                api_applied.add_metric([peer.engine_id], peer.applied_version)
+        yield api_applied
         dropped = CounterMetricFamily(
             "output_rate_push_dropped_messages", "Malformed engine messages dropped"
         )

@@ -14,11 +14,17 @@ engine keys; a peer with another key completes no handshake, so it neither
 reads limits nor reports anything.
 
 Trust (docs/live-push.md, "Trust model"): a connection (ROUTER identity) is bound
-to one engine id by its first HELLO (or, after a server restart, its first
-HEARTBEAT/RESYNC). The bind is refused, and logged, when the id is held by
+to one engine id and role by its first HELLO (or, after a server restart, its first
+HEARTBEAT/RESYNC). The bind is refused, and logged, when that (id, role) is held by
 another live connection, or when the connection's CURVE key is listed with other
 engine ids. ACK, HEARTBEAT and USAGE count only from a bound connection under its
 own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S.
+
+Roles (docs/control-plane.md, "API keys"): an engine core (role "engine") gets the
+limits; its API server (role "api", the same engine id) gets the API keys only: a
+snapshot of the keys and every delta with only its key ops (the version kept, so it
+sees no gap). An API server is no fleet member and sends no usage or demand; it may
+report its keys' last use (KEY_USE), which goes to ``key_uses``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -38,6 +44,7 @@ import zmq
 from control_plane.db import Database
 from control_plane.engines import service as engines
 from control_plane.fleet.coordinator import FleetCoordinator
+from control_plane.keys import service as keys
 from control_plane.limits import service as limits
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
 from control_plane.usage.book import UsageBook
@@ -61,6 +68,14 @@ MAX_PEERS = 1024
 DROP_LOG_INTERVAL_S = 60.0
 # Engine rows not seen for the retention are deleted this often.
 RETENTION_SWEEP_INTERVAL_S = 60.0
+# The ops each role receives of a delta (the rest are left out, the version kept).
+KEY_OPS = (p.SetKey, p.DeleteKey)
+
+
+def ops_for(role: p.Role, ops: list[p.Op]) -> list[p.Op]:
+    """An API server gets the key ops only; an engine core the limit ops only."""
+    want_keys = role == p.API_ROLE
+    return [op for op in ops if isinstance(op, KEY_OPS) == want_keys]
 
 
 class DropLog:
@@ -99,6 +114,8 @@ class Peer:
 
     engine_id: str
     model: str = ""
+    # An engine core, or the API server of the engine with that id.
+    role: p.Role = p.ENGINE_ROLE
     # Z85 CURVE public key of the connection (None on plain TCP).
     key: str | None = None
     # The last version sent to it (snapshot or delta) and the last it applied.
@@ -130,6 +147,7 @@ class PushServer:
         client_public_keys: Iterable[str] | Mapping[str, frozenset[str] | None] | None = None,
         usage: UsageBook | None = None,
         fleet: FleetCoordinator | None = None,
+        key_uses: Callable[[Mapping[str, float]], None] | None = None,
         engine_timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
@@ -154,10 +172,12 @@ class PushServer:
         self._usage = usage
         # Fleet shares (docs/fleet.md); None: engines are only told the limits.
         self.fleet = fleet
+        # Where API servers' key-use reports go (None: nobody records them).
+        self._key_uses = key_uses
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
         self.peers: dict[bytes, Peer] = {}
-        # engine id -> the identity bound to it
-        self._owners: dict[str, bytes] = {}
+        # (engine id, role) -> the identity bound to it
+        self._owners: dict[tuple[str, p.Role], bytes] = {}
         self.drops = DropLog()
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
@@ -174,8 +194,9 @@ class PushServer:
         # The newest change-log version _publish has sent out (written by the
         # IO thread, read by notify() on any thread: an int, read atomically).
         self._published_version = 0
-        # (version, fleet size, encoded snapshot): engines connecting together share one read.
-        self._snapshot_cache: tuple[int, int, bytes] | None = None
+        # role -> (version, fleet size, encoded snapshot): peers connecting together share
+        # one read.
+        self._snapshot_cache: dict[p.Role, tuple[int, int, bytes]] = {}
 
     @property
     def num_dropped(self) -> int:
@@ -189,6 +210,7 @@ class PushServer:
         db: Database,
         usage: UsageBook,
         fleet: FleetCoordinator | None = None,
+        key_uses: Callable[[Mapping[str, float]], None] | None = None,
     ) -> PushServer:
         """The server `output-rate serve` runs; warns about what its settings leave open."""
         secret = settings.zmq_secret_key.get_secret_value() if settings.zmq_secret_key else None
@@ -225,6 +247,7 @@ class PushServer:
             client_public_keys=client_keys or None,
             usage=usage,
             fleet=fleet,
+            key_uses=key_uses,
             engine_timeout_s=settings.engine_timeout_s,
             engine_retention_s=settings.engine_retention_s,
         )
@@ -365,7 +388,7 @@ class PushServer:
                 self.drops.note("message from a connection that said no HELLO")
                 return
             model = message.model if isinstance(message, p.Hello | p.Heartbeat) else ""
-            peer = self._bind(identity, message.engine_id, model, key, now)
+            peer = self._bind(identity, message.engine_id, message.role, model, key, now)
             if peer is not None:
                 self._send_snapshot(router, identity, peer)
             return
@@ -375,6 +398,16 @@ class PushServer:
                 "engine id other than the connection's",
                 f"{peer.engine_id!r} sent {type(message).__name__} as {claimed!r}",
             )
+            return
+        if getattr(message, "role", peer.role) != peer.role:
+            self.drops.note(
+                "role other than the connection's",
+                f"{peer.engine_id!r} ({peer.role}) sent {type(message).__name__} as "
+                f"{getattr(message, 'role', '')!r}",
+            )
+            return
+        if peer.role == p.API_ROLE and isinstance(message, p.Usage | p.Demand | p.ShareAck):
+            self.drops.note("engine-core message from an API server", f"{type(message).__name__}")
             return
         if isinstance(message, p.Hello | p.Resync):
             # A repeated HELLO or queued RESYNCs (after our restart they arrive in a
@@ -390,6 +423,12 @@ class PushServer:
             # An engine's heartbeat restates what it applied (a lost ack is harmless).
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
+        elif isinstance(message, p.KeyUse):
+            if peer.role != p.API_ROLE:
+                self.drops.note("key use from an engine core", repr(peer.engine_id))
+                return
+            if self._key_uses is not None:
+                self._key_uses(message.used)
         elif isinstance(message, p.Demand | p.ShareAck):
             if self.fleet is None:
                 self.drops.note("fleet message while fleet shares are off")
@@ -402,20 +441,28 @@ class PushServer:
             if self._usage is not None:
                 self._usage.add(message, engine_id=peer.engine_id)
         peer.last_seen = now
-        if self.fleet is not None:
+        if self.fleet is not None and peer.role == p.ENGINE_ROLE:
             self.fleet.heard(peer.engine_id)
         self._dirty.add(identity)
 
     def _send_shares(self, router: zmq.Socket, frames: list[tuple[str, p.Shares]]) -> None:
         for engine_id, message in frames:
-            identity = self._owners.get(engine_id)
+            identity = self._owners.get((engine_id, p.ENGINE_ROLE))
             if identity is not None:
                 self._send(router, identity, p.encode(message))
 
     def _bind(
-        self, identity: bytes, engine_id: str, model: str, key: str | None, now: float
+        self,
+        identity: bytes,
+        engine_id: str,
+        role: p.Role,
+        model: str,
+        key: str | None,
+        now: float,
     ) -> Peer | None:
-        """Bind a new connection to engine_id, or refuse (logged, counted)."""
+        """Bind a new connection to (engine_id, role), or refuse (logged, counted). The
+        allow-list check is the same for both roles: an API server holds its engine's
+        key, or one listed with its engine id."""
         if self._secret_key is not None and self._client_keys is not None:
             allowed = self._client_keys.get(key or "")
             if key not in self._client_keys or (allowed is not None and engine_id not in allowed):
@@ -424,49 +471,54 @@ class PushServer:
                     f"key {(key or '?')[:8]}... claimed {engine_id!r}",
                 )
                 return None
-        owner = self._owners.get(engine_id)
+        owner = self._owners.get((engine_id, role))
         holder = self.peers.get(owner) if owner is not None else None
         if holder is not None and owner != identity:
             if now - holder.last_seen <= self._engine_timeout_s:
                 self.drops.note(
-                    "engine id already bound to another live connection", repr(engine_id)
+                    "engine id already bound to another live connection",
+                    f"{engine_id!r} ({role})",
                 )
                 return None
             self._forget(owner)  # type: ignore[arg-type]
         if len(self.peers) >= MAX_PEERS:
             self.drops.note("too many connections", f"at most {MAX_PEERS}")
             return None
-        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, key=key)
+        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, role=role, key=key)
         peer.last_seen = now
-        self._owners[engine_id] = identity
+        self._owners[engine_id, role] = identity
         self._dirty.add(identity)
         return peer
 
     def _forget(self, identity: bytes) -> Peer | None:
         peer = self.peers.pop(identity, None)
         self._dirty.discard(identity)
-        if peer is not None and self._owners.get(peer.engine_id) == identity:
-            del self._owners[peer.engine_id]
+        if peer is not None and self._owners.get((peer.engine_id, peer.role)) == identity:
+            del self._owners[peer.engine_id, peer.role]
         return peer
 
-    def _snapshot_frame(self) -> tuple[int, bytes]:
+    def _snapshot_frame(self, role: p.Role) -> tuple[int, bytes]:
         # The fleet size rides along: an engine's safe shares hold from its first request.
-        num_engines = 1 if self.fleet is None else self.fleet.num_engines
-        cached = self._snapshot_cache
+        num_engines = 1 if self.fleet is None or role == p.API_ROLE else self.fleet.num_engines
+        cached = self._snapshot_cache.get(role)
         if (
             cached is not None
             and cached[1] == num_engines
             and cached[0] == self._db.run_now(limits.current_version)
         ):
             return cached[0], cached[2]
-        snap = msgspec.structs.replace(
-            self._db.run_now(limits.load_snapshot), num_engines=num_engines
-        )
-        self._snapshot_cache = (snap.version, num_engines, p.encode(snap))
-        return snap.version, self._snapshot_cache[2]
+        if role == p.API_ROLE:
+            snap = self._db.run_now(keys.load_key_snapshot)
+        else:
+            snap = msgspec.structs.replace(
+                self._db.run_now(limits.load_snapshot), num_engines=num_engines
+            )
+        frame = p.encode(snap)
+        self._snapshot_cache[role] = (snap.version, num_engines, frame)
+        return snap.version, frame
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
-        version, frame = self._snapshot_frame()
+        version, frame = self._snapshot_frame(peer.role)
         self._send(router, identity, frame)
         peer.sent_version = version
         peer.last_snapshot_at = time.monotonic()
@@ -483,17 +535,23 @@ class PushServer:
         changes = self._db.run_now(limits.load_changes_since, oldest)
         if not changes:
             return
-        frames: dict[int, bytes] = {}
-        for version, ops in changes:
+        ops_of: dict[int, list[p.Op]] = {}
+        for version, rows in changes:
             try:
-                frames[version] = p.encode(p.Delta(version, p.ops_from_rows(ops)))
+                ops_of[version] = p.ops_from_rows(rows)
             except p.ProtocolError:
                 logger.exception("config change %d cannot be sent", version)
                 break
         newest = changes[-1][0]
-        if len(frames) == len(changes):
+        if len(ops_of) == len(changes):
             self._published_version = max(self._published_version, newest)
+        # role -> version -> its delta as that role receives it
+        deltas = {
+            role: {v: p.encode(p.Delta(v, ops_for(role, ops))) for v, ops in ops_of.items()}
+            for role in {peer.role for peer in self.peers.values()}
+        }
         for identity, peer in list(self.peers.items()):
+            frames = deltas[peer.role]
             if peer.sent_version + 1 in frames:
                 while peer.sent_version + 1 in frames:
                     self._send(router, identity, frames[peer.sent_version + 1])
@@ -516,8 +574,8 @@ class PushServer:
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > self._engine_timeout_s:
                 self._forget(identity)
-                if peer.engine_id not in self._owners:
-                    self._set_disconnected(peer.engine_id)
+                if (peer.engine_id, peer.role) not in self._owners:
+                    self._set_disconnected(peer.engine_id, peer.role)
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
             self._send(router, identity, p.encode(p.Heartbeat(peer.sent_version)))
@@ -529,13 +587,15 @@ class PushServer:
     # ---- engine status in the database ------------------------------------
 
     def _flush_status(self) -> None:
-        # One row per engine_id (one connection per engine id).
+        # One row per engine_id, written by its engine core and its API server (one
+        # connection per engine id and role).
         seen = {
-            peer.engine_id: engines.EngineSeen(
+            (peer.engine_id, peer.role): engines.EngineSeen(
                 engine_id=peer.engine_id,
                 model=peer.model,
                 applied_version=peer.applied_version,
                 first_seen=peer.first_seen,
+                role=peer.role,
             )
             for peer in (self.peers.get(identity) for identity in self._dirty)
             if peer is not None
@@ -551,12 +611,13 @@ class PushServer:
                     self._db.run_now(engines.record_engines, seen=[engine])
                 except Exception as e:
                     self.drops.note("engine status row refused by the database", str(e)[:200])
-                    owner = self._owners.get(engine.engine_id)
+                    owner = self._owners.get((engine.engine_id, engine.role))
                     if owner is not None:
                         self._forget(owner)
 
-    def _set_disconnected(self, engine_id: str) -> None:
-        self._db.run_now(engines.disconnect_engines, engine_ids=[engine_id])
+    def _set_disconnected(self, engine_id: str, role: p.Role) -> None:
+        self._db.run_now(engines.disconnect_engines, engine_ids=[engine_id], role=role)
 
     def _mark_all_disconnected(self) -> None:
-        self._db.run_now(engines.disconnect_engines, engine_ids=None)
+        for role in (p.ENGINE_ROLE, p.API_ROLE):
+            self._db.run_now(engines.disconnect_engines, engine_ids=None, role=role)

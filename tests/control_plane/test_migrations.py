@@ -113,3 +113,46 @@ def test_the_checkouts_alembic_ini_runs_the_packaged_migrations(tmp_path: Path) 
         [*alembic, "heads"], cwd=tmp_path, env=env, check=True, timeout=120, capture_output=True
     )
     assert b"(head)" in heads.stdout
+
+
+def test_0004_adds_api_keys_and_keeps_engine_rows_both_ways(db_url: str) -> None:
+    downgrade(db_url, "0003")
+    engine = create_engine(db_url)
+    try:
+        assert "api_keys" not in inspect(engine).get_table_names()
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO engines (engine_id, model, applied_version, connected,"
+                    " first_seen, last_seen)"
+                    " VALUES ('e1', 'm', 4, false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+        upgrade(db_url)
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT applied_version, api_applied_version FROM engines"))
+            assert tuple(row.one()) == (4, None)
+            conn.execute(
+                text(
+                    'INSERT INTO api_keys (id, "user", key_hash, created_at)'
+                    " VALUES ('abcdefghijkl', 'alice', :h, CURRENT_TIMESTAMP)"
+                ),
+                {"h": "0" * 64},
+            )
+            with pytest.raises(IntegrityError), conn.begin_nested():
+                conn.execute(
+                    text(
+                        'INSERT INTO api_keys (id, "user", key_hash, created_at)'
+                        " VALUES ('abcdefghijkl', 'bob', :h, CURRENT_TIMESTAMP)"
+                    ),
+                    {"h": "1" * 64},
+                )
+        assert "ix_api_keys_user" in {i["name"] for i in inspect(engine).get_indexes("api_keys")}
+        downgrade(db_url, "0003")
+        assert "api_keys" not in inspect(engine).get_table_names()
+        columns = {c["name"] for c in inspect(engine).get_columns("engines")}
+        assert "api_applied_version" not in columns
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT applied_version FROM engines")).scalar() == 4
+    finally:
+        engine.dispose()

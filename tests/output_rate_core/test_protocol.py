@@ -38,8 +38,10 @@ MESSAGES: list[p.Message] = [
     p.Ack("engine-1", 13),
     p.Heartbeat(13),
     p.Heartbeat(13, "engine-1", "tiny"),
+    p.Heartbeat(13, "engine-1", "tiny", role="api"),
     p.Usage("engine-1", 1.02, {"a": 40, "b": 3}, {"a": 12}),
     p.Resync("engine-1", 11),
+    p.Resync("engine-1", 11, role="api"),
 ]
 
 
@@ -156,3 +158,17 @@ def test_a_large_snapshot_fits() -> None:
     frame = p.encode(snap)
     assert len(frame) < p.MAX_MESSAGE_BYTES
     assert p.decode(frame) == snap
+
+
+def test_heartbeat_and_resync_name_their_role_and_default_to_the_engine() -> None:
+    # A peer that predates roles (no "role" key) is an engine core.
+    old_beat = _frame(p.HEARTBEAT, {"version": 3, "engine_id": "e1", "model": "m"})
+    old_resync = _frame(p.RESYNC, {"engine_id": "e1", "version": 3})
+    assert p.decode(old_beat) == p.Heartbeat(3, "e1", "m", role=p.ENGINE_ROLE)
+    assert p.decode(old_resync) == p.Resync("e1", 3, role=p.ENGINE_ROLE)
+    for kind, payload in (
+        (p.HEARTBEAT, {"version": 3, "engine_id": "e1", "role": "admin"}),
+        (p.RESYNC, {"engine_id": "e1", "version": 3, "role": ""}),
+    ):
+        with pytest.raises(p.ProtocolError):
+            p.decode(_frame(kind, payload))

@@ -400,7 +400,7 @@ def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
         # Such an id can no longer come off the wire; the database is the last line.
         for identity, engine_id in ((b"good", "good"), (b"bad", "bad\x00id")):
             server.peers[identity] = Peer(engine_id=engine_id, model="m")
-            server._owners[engine_id] = identity
+            server._owners[engine_id, p.ENGINE_ROLE] = identity
             server._dirty.add(identity)
         server._flush_status()
         rows = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
