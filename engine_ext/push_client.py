@@ -271,7 +271,7 @@ class PushConnection:
         self.num_resyncs += 1
         self._resyncing = True
         self._resync_asked_at = time.monotonic()
-        self._send(p.Resync(self.engine_id, self.applied_version))
+        self._send(p.Resync(self.engine_id, self.applied_version, self.role))
 
     def _send(self, message: p.Message) -> None:
         self._outbound.put(message)
@@ -373,7 +373,7 @@ class PushConnection:
             now = time.monotonic()
             if now >= next_heartbeat:
                 next_heartbeat = now + self._heartbeat_interval_s
-                beat = p.Heartbeat(self.applied_version, self.engine_id, self.model)
+                beat = p.Heartbeat(self.applied_version, self.engine_id, self.model, self.role)
                 with contextlib.suppress(zmq.Again):
                     sock.send(p.encode(beat), zmq.NOBLOCK)
             if now - last_heard > self._reconnect_after_s:
