@@ -1,5 +1,6 @@
-"""Identity modes on real servers (docs/identity.md): a tiny-model vLLM server whose
-users come from a gateway's header, started once for the module."""
+"""Identity modes on real servers (docs/identity.md), each started once for the module:
+a tiny-model vLLM server whose users come from a gateway's header, and one in api-key
+mode with a real control plane (`output-rate serve`) that holds the keys."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from harness.client import StreamResult, run, stream_completion, user_rate
-from harness.servers import VllmServer
+from harness.servers import ControlPlane, VllmServer, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -71,9 +73,11 @@ def stream_with(
 
 
 def post_completion(url: str, headers: dict[str, str], body_user: str) -> httpx.Response:
+    # (A 4-token prompt such as "Once" kills the CPU build's worker with SIGILL as the
+    # first request of a fresh server, plugin or not.)
     body = {
         "model": "tiny",
-        "prompt": "Once",
+        "prompt": "Once upon a time",
         "max_tokens": 8,
         "vllm_xargs": {"output_rate_user": body_user},
     }
@@ -174,3 +178,168 @@ def test_the_identity_reaches_every_path_that_generates(header_server: VllmServe
     responses = run(main())
     assert [r.status_code for r in responses] == [200, 200, 200], [r.text for r in responses]
     wait_granted(header_server, "carol", before + 15)
+
+
+# ---- api-key mode -------------------------------------------------------------------
+
+ENGINE_ID = "e2e-keys"
+KEY_LIMIT = 10
+AUTH = ControlPlane.auth_headers()
+
+
+class KeyStack:
+    """A control plane and an api-key engine connected to it; both can be restarted."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.db_url = f"sqlite:///{tmp / 'cp.db'}"
+        self.port, self.zmq_port = free_port(), free_port()
+        self.control_plane = self.start_control_plane()
+        self.engine = self.start_engine()
+        # every key made, for the log check
+        self.secrets: list[str] = []
+
+    def start_control_plane(self) -> ControlPlane:
+        log = self.tmp / f"cp-{time.time()}.log"
+        cp = ControlPlane(log, self.db_url, self.port, self.zmq_port)
+        cp.wait_ready()
+        return cp
+
+    def start_engine(self) -> VllmServer:
+        engine = VllmServer(
+            self.tmp / f"engine-{time.time()}.log",
+            "--control-plane-endpoint",
+            f"tcp://127.0.0.1:{self.zmq_port}",
+            "--output-rate-engine-id",
+            ENGINE_ID,
+            "--output-rate-identity",
+            "api-key",
+        )
+        wait_serving(engine)
+        return engine
+
+    def new_key(self, user: str) -> tuple[str, str]:
+        response = httpx.post(f"{self.control_plane.url}/users/{user}/keys", headers=AUTH)
+        assert response.status_code == 201, response.text
+        created = response.json()
+        assert created["user"] == user
+        self.secrets.append(created["key"].split("_", 2)[2])
+        return created["id"], created["key"]
+
+    def models(self, key: str | None) -> int:
+        """GET /v1/models with the key: guarded like every /v1 path, generates nothing."""
+        headers = {} if key is None else bearer(key)
+        return httpx.get(f"{self.engine.url}/v1/models", headers=headers, timeout=10).status_code
+
+    def wait_key(self, key: str, status: int = 200, timeout_s: float = 30) -> float:
+        """Until a request with the key gets ``status``; returns when (monotonic)."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.models(key)) != status:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the key still gets {got}, not {status}")
+            time.sleep(0.01)
+        return time.monotonic()
+
+    def usage(self) -> dict[str, float]:
+        """user -> output tokens/s over the last 10 s, from the control plane."""
+        response = httpx.get(f"{self.control_plane.url}/usage", headers=AUTH, timeout=10)
+        response.raise_for_status()
+        return {u["user"]: u["output_tokens_per_second_10s"] for u in response.json()["items"]}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyStack]:
+    stack = KeyStack(tmp_path_factory.mktemp("identity-keys"))
+    try:
+        yield stack
+    finally:
+        stack.engine.kill()
+        stack.control_plane.kill()
+        logs = [path.read_text(errors="replace") for path in stack.tmp.glob("*.log")]
+        for secret in stack.secrets:
+            assert not any(secret in log for log in logs), "an API key's secret is in a log"
+
+
+def test_no_key_a_wrong_key_and_a_revoked_key_get_401_and_generate_nothing(
+    keys: KeyStack,
+) -> None:
+    key_id, key = keys.new_key("alice")
+    keys.wait_key(key)
+    generated = keys.engine.metric(GENERATED)
+    wrong = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    for headers in ({}, bearer(wrong), bearer("sk-not-ours")):
+        response = post_completion(keys.engine.url, headers, body_user="alice")
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    # Revocation reaches the running engine's API server.
+    deleted = httpx.delete(f"{keys.control_plane.url}/keys/{key_id}", headers=AUTH)
+    assert deleted.status_code == 204
+    revoked_at = time.monotonic()
+    refused_at = keys.wait_key(key, status=401)
+    print(f"revocation: first 401 {1000 * (refused_at - revoked_at):.0f} ms after DELETE")
+    response = post_completion(keys.engine.url, bearer(key), body_user="alice")
+    assert response.status_code == 401
+    time.sleep(1.0)
+    assert keys.engine.metric(GENERATED) == generated
+
+
+def test_the_key_decides_who_is_charged_and_its_limit_binds_over_both_keys(
+    keys: KeyStack,
+) -> None:
+    _, key1 = keys.new_key("dave")
+    _, key2 = keys.new_key("dave")
+    keys.wait_key(key1)
+    keys.wait_key(key2)
+    # (An engine with no limit at all counts nothing: the limits go first.)
+    cp = keys.control_plane
+    cp.wait_applied(cp.put("dave", KEY_LIMIT))
+    before = granted(keys.engine)
+    # The body claims another user: the key's user is charged, and limited.
+    result = stream_with(keys.engine.url, bearer(key1), body_user="erin", max_tokens=30)
+    assert result.completion_tokens == 30
+    num_tokens, span_s = user_rate([result], skip=2)
+    assert (num_tokens - 1) / span_s < KEY_LIMIT * 1.3
+    wait_granted(keys.engine, "dave", before.get("dave", 0) + 30)
+    assert granted(keys.engine).get("erin", 0) == 0
+    usage = keys.usage()
+    assert usage.get("dave", 0) > 0 and usage.get("erin", 0) == 0
+
+    # The user's limit binds over both of its keys together.
+    async def both() -> list[StreamResult]:
+        async with (
+            httpx.AsyncClient(timeout=120, headers=bearer(key1)) as one,
+            httpx.AsyncClient(timeout=120, headers=bearer(key2)) as two,
+        ):
+            streams = [
+                stream_completion(client, keys.engine.url, user="erin", max_tokens=25)
+                for client in (one, two)
+            ]
+            return list(await asyncio.gather(*streams))
+
+    results = run(both())
+    num_tokens, span_s = user_rate(results, skip=2)
+    assert num_tokens >= 40
+    assert (num_tokens - 1) / span_s < KEY_LIMIT * 1.3
+
+
+def test_keys_survive_a_control_plane_kill_and_an_engine_restart(keys: KeyStack) -> None:
+    _, key = keys.new_key("frank")
+    keys.wait_key(key)
+    keys.control_plane.kill()  # SIGKILL
+    time.sleep(2.0)
+    response = post_completion(keys.engine.url, bearer(key), body_user="x")
+    assert response.status_code == 200, response.text
+    keys.control_plane = keys.start_control_plane()
+    # A key made after the restart reaches the API server: it follows the new server.
+    _, later = keys.new_key("frank")
+    keys.wait_key(later)
+    keys.engine.kill()
+    keys.engine = keys.start_engine()
+    # The restarted API server loads the keys again (503 until its snapshot lands).
+    keys.wait_key(key)
+    response = post_completion(keys.engine.url, bearer(later), body_user="x")
+    assert response.status_code == 200, response.text
