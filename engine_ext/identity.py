@@ -15,8 +15,10 @@ whatever the body said. Everything downstream (scheduler, usage, metrics, fleet)
 the user only from there.
 
 Every path is guarded except the probes (``PROBE_PATHS``): not only ``/v1``, because
-vLLM 0.32 also generates at ``/invocations`` (SageMaker), ``/inference/v1/generate`` and
-``/cohere/v2/chat``, which take the same bodies. OPTIONS requests (CORS preflights) pass.
+vLLM 0.32 also generates at ``/invocations`` (SageMaker) and ``/inference/v1/generate``,
+which take the same bodies. The few paths whose requests cannot carry a user
+(``NO_USER_PATHS``) are refused (403) after authentication: served, they would be
+charged to '__anonymous__' whoever sent them. OPTIONS requests (CORS preflights) pass.
 
 The settings reach every API server process through ``IDENTITY_ENV``, which the plugin
 sets while parsing the flags (extra API server processes inherit it).
@@ -50,6 +52,9 @@ MIDDLEWARE = "engine_ext.identity.IdentityMiddleware"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Paths that answer probes and generate nothing (and /metrics/..., a mounted app).
 PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# vLLM 0.32 paths that generate from a request of their own making, with no vllm_xargs:
+# the user could not reach the scheduler, so they would be charged to '__anonymous__'.
+NO_USER_PATHS = frozenset({"/cohere/v2/chat", "/v1/systemone", "/generative_scoring"})
 VLLM_XARGS = "vllm_xargs"
 
 Scope = MutableMapping[str, Any]
@@ -222,6 +227,15 @@ class IdentityMiddleware:
             user = self._user_of(scope)
         except IdentityRefused as refused:
             await _answer(refused, scope, send)
+            return
+        if _route_path(scope) in NO_USER_PATHS:
+            not_carried = IdentityRefused(
+                403,
+                f"{_route_path(scope)} cannot carry the caller's identity (it has no vllm_xargs) "
+                f"and is not served with --output-rate-identity {self.config.mode}",
+                code="identity_not_carried",
+            )
+            await _answer(not_carried, scope, send)
             return
         scope = self._without_credentials(scope)
         if kind == "websocket":

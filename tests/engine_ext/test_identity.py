@@ -247,6 +247,11 @@ async def test_probes_pass_and_every_other_path_is_guarded(key_setup: Keys) -> N
         for path in ("/invocations", "/inference/v1/generate", "/cohere/v2/chat", "/tokenize"):
             response = await http.post(path, json=BODY)
             assert response.status_code == 401, path
+        # Paths whose requests cannot carry the user are refused once authenticated.
+        for path in ("/cohere/v2/chat", "/v1/systemone", "/generative_scoring"):
+            response = await http.post(path, json=BODY, headers=bearer(key_setup.bob[1]))
+            error = assert_openai_error(response, 403, "identity_not_carried")
+            assert path in error["message"]
     assert [call[0] for call in seen.calls] == [
         "/health",
         "/ping",
