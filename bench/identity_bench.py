@@ -59,7 +59,7 @@ def loaded_key_client() -> tuple[ScriptedServer, KeyClient, str]:
     """A KeyClient holding NUM_KEYS keys from a snapshot; returns one of them."""
     server = ScriptedServer()
     client = KeyClient(
-        endpoint=server.endpoint, engine_id="bench", model="", server_public_key=None
+        endpoints=[server.endpoint], engine_id="bench", model="", server_public_key=None
     )
     client.start()
     made = [keys.new_key() for _ in range(NUM_KEYS)]

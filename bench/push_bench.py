@@ -62,7 +62,7 @@ class BenchEngine:
         self._woken = threading.Event()
         self._stop = threading.Event()
         self.client = PushClient(
-            endpoint=endpoint,
+            endpoints=[endpoint],
             engine_id=name,
             model="bench",
             server_public_key=server_public,

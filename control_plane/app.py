@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,9 @@ from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
+from control_plane.replicas.lease import LeaseKeeper, default_replica_id
+from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
+from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
 from control_plane.tokens import routes as token_routes
 from control_plane.usage import routes as usage_routes
@@ -64,6 +67,7 @@ def create_app(
     usage_source: UsageSource | None = None,
     fleet: FleetView | None = None,
     collectors: Iterable[Collector] = (),
+    lease: LeaseKeeper | None = None,
 ) -> FastAPI:
     """The API on an already migrated database (`output-rate db upgrade`): on `db` (by
     default its own, on settings.database_url), showing `usage_source` as live usage (by
@@ -95,6 +99,7 @@ def create_app(
         key_creations=TokenBucket(
             per_minute=settings.key_creations_per_minute, burst=settings.key_creation_burst
         ),
+        lease=lease,
     )
 
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
@@ -152,16 +157,49 @@ def create_app(
     return app
 
 
-@dataclass(frozen=True)
+@dataclass
 class Served:
-    """What `output-rate serve` runs: the app, and beside it the push endpoint and the
-    usage history (started and closed by the caller)."""
+    """What `output-rate serve` runs: the app, and beside it the push endpoint, the usage
+    history and, on PostgreSQL, the LISTEN session that wakes the push thread when another
+    replica commits a change (started and closed by the caller)."""
 
     app: FastAPI
     db: Database
     push: PushServer
     history: UsageRecorder
     key_uses: KeyUseRecorder
+    lease: LeaseKeeper
+    database_url: str
+    listener: ChangeListener | None = None
+    announcer: ChangeAnnouncer | None = None
+    _sqlite_lock: IO[str] | None = None
+
+    def start(self) -> None:
+        """Raises AnotherReplica when another serve holds this SQLite database."""
+        self._sqlite_lock = hold_sqlite_lock(self.database_url)
+        self.lease.start()
+        self.push.start()
+        self.history.start()
+        self.key_uses.start()
+        if self.db.engine.dialect.name == "postgresql":
+            with self.db.engine.connect() as conn:
+                channel = current_channel(conn)
+            self.listener = ChangeListener(self.db.engine, channel, self.push.notify)
+            self.listener.start()
+            self.announcer = ChangeAnnouncer(self.db.engine, channel)
+            self.announcer.start()
+            self.db.on_commit.append(self.announcer.announce)
+
+    def close(self) -> None:
+        for session in (self.announcer, self.listener):
+            if session is not None:
+                session.close()
+        self.push.close()
+        self.history.close()
+        self.key_uses.close()
+        self.lease.close()
+        if self._sqlite_lock is not None:
+            self._sqlite_lock.close()
 
 
 def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> Served:
@@ -177,6 +215,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet, key_uses=key_uses.add)
     db.on_commit.append(push.notify)
     history = UsageRecorder(db, retention_days=settings.usage_retention_days)
+    lease = LeaseKeeper(db, holder=settings.replica_id or default_replica_id())
     book.on_report.append(history.add)
     app = create_app(
         settings,
@@ -185,10 +224,17 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         usage_source=book,
         fleet=fleet,
         collectors=[PushCollector(push), UsageCollector(book)],
+        lease=lease,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
     app.router.on_shutdown.append(history.close)
-    # Started and closed with the app: it only writes what API servers reported.
-    app.router.on_startup.append(key_uses.start)
     app.router.on_shutdown.append(key_uses.close)
-    return Served(app=app, db=db, push=push, history=history, key_uses=key_uses)
+    return Served(
+        app=app,
+        db=db,
+        push=push,
+        history=history,
+        key_uses=key_uses,
+        lease=lease,
+        database_url=settings.database_url,
+    )

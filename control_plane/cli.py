@@ -46,6 +46,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from control_plane.app import create_served_app
+    from control_plane.replicas.single import AnotherReplica
 
     if settings.admin_token is None and not args.insecure_no_auth:
         print(
@@ -60,8 +61,11 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     # create_app logs the loud warning when authentication is off.
     served = create_served_app(settings, insecure_no_auth=args.insecure_no_auth)
     # The live push endpoint (control_plane/push) runs beside the API and stops with it.
-    served.push.start()
-    served.history.start()
+    try:
+        served.start()
+    except AnotherReplica as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
         startup_summary(settings, host, port, served.push.endpoint, auth=not args.insecure_no_auth),
         file=sys.stderr,
@@ -77,8 +81,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
             access_log=args.access_log,
         )
     finally:
-        served.push.close()
-        served.history.close()
+        served.close()
     return 0
 
 
@@ -150,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     down = db_commands.add_parser("downgrade", help="downgrade to a revision")
     down.add_argument("revision")
     keys_parser = commands.add_parser(
-        "keys", help="make CURVE key pairs for the push endpoint and its engines"
+        "keys",
+        help="make CURVE key pairs for the push endpoint and its engines",
+        description="Make CURVE key pairs: the push endpoint's and one per engine. Replicas "
+        "of one control plane share one server identity: copy the same control-plane.env "
+        "(OUTPUT_RATE_ZMQ_SECRET_KEY and OUTPUT_RATE_ZMQ_CLIENT_KEYS) to every replica; "
+        "engines keep one --control-plane-public-key and list the replicas in "
+        "--control-plane-endpoint tcp://cp-a:5557,tcp://cp-b:5557.",
     )
     keys_parser.add_argument(
         "--out", type=Path, default=None, help="write <out>/control-plane.env, engine-N.env"

@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Connection, create_engine, event
+from sqlalchemy import Connection, create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
@@ -278,6 +278,11 @@ class Database:
                 hook(version)
             except Exception:  # a hook must never fail a committed write
                 logger.exception("on_commit hook %r failed for version %d", hook, version)
+
+    def ping(self) -> None:
+        """One round trip to the database (readiness); raises when it is unreachable."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
 
     def dispose(self) -> None:
         self._writer.shutdown(wait=True)

@@ -18,6 +18,7 @@ from control_plane.db import Database
 from control_plane.fleet.view import FleetView
 from control_plane.keys.bucket import TokenBucket
 from control_plane.metrics import Metrics
+from control_plane.replicas.lease import LeaseKeeper
 from control_plane.settings import Settings
 from control_plane.usage.book import UsageSource
 
@@ -37,6 +38,8 @@ class AppState:
     insecure_no_auth: bool
     # What POST /users/{user}/keys takes a token from (OUTPUT_RATE_KEY_CREATIONS_PER_MINUTE).
     key_creations: TokenBucket
+    # This replica's hold on the fleet-wide work (None: an app with no push endpoint).
+    lease: LeaseKeeper | None = None
 
 
 def app_state(app: Starlette) -> AppState:
@@ -75,3 +78,10 @@ UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 FleetDep = Annotated[FleetView, Depends(get_fleet)]
 KeyCreationsDep = Annotated[TokenBucket, Depends(get_key_creations)]
+
+
+async def get_lease(request: Request) -> LeaseKeeper | None:
+    return app_state(request.app).lease
+
+
+LeaseDep = Annotated[LeaseKeeper | None, Depends(get_lease)]

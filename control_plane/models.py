@@ -32,6 +32,9 @@ from output_rate_core.keys import KEY_ID_LEN
 from output_rate_core.limits import Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
+# Replica ids (OUTPUT_RATE_REPLICA_ID, default host-pid) as stored in replica_leases.
+MAX_REPLICA_ID_LEN = 128
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -238,3 +241,15 @@ class UsageMinute(Base):
     throttled: Mapped[int] = mapped_column(BigInteger, default=0)
     # The user's effective limit when the minute was last written (null: unlimited).
     limit_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class ReplicaLease(Base):
+    """Work that runs once for the fleet (docs/replicas.md): which replica holds it, until
+    when (database time), and the fencing token that grows with every change of holder."""
+
+    __tablename__ = "replica_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN), default="")
+    token: Mapped[int] = mapped_column(BigInteger, default=0)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -3,7 +3,7 @@ OpenAPI schema says about errors and merge-patch bodies."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +41,14 @@ class SessionOut(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "unready"]
+    database: Literal["ok", "unreachable"]
+    # This replica's id and whether it runs the fleet-wide work now (None: not served).
+    replica: str | None
+    leader: bool | None
 
 
 # OpenAPI: the errors of every route (each domain's router), and of some.

@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     max_keys_per_user: int = Field(default=20, ge=1, le=10_000)
     key_creations_per_minute: int = Field(default=60, ge=1, le=1_000_000)
     key_creation_burst: int = Field(default=20, ge=1, le=1_000_000)
+    # Seconds between the push thread's reads of the change log: the safety net under the
+    # wake-ups (this process's commits; other replicas' through PostgreSQL NOTIFY).
+    push_poll_interval_s: float = Field(default=1.0, ge=0.05, le=60.0)
+    # This replica's name in the leader lease and readiness (default: host-pid).
+    replica_id: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$"
+    )
 
     @field_validator("admin_token")
     @classmethod

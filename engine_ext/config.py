@@ -23,7 +23,9 @@ DEFAULT_SNAPSHOT_TIMEOUT_S = 10.0
 class OutputRateConfig:
     default_rate: int | None = None
     user_rates: dict[str, int | None] = field(default_factory=dict)
-    control_plane_endpoint: str | None = None
+    # The control plane's replicas (--control-plane-endpoint, comma-separated): the
+    # push client talks to one at a time and moves to the next when it goes silent.
+    control_plane_endpoints: tuple[str, ...] = ()
     engine_id: str | None = None
     # CURVE public key (z85) of the control plane; None = plain TCP.
     control_plane_public_key: str | None = None
@@ -38,6 +40,8 @@ class OutputRateConfig:
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        # A list after the round trip through additional_config.
+        object.__setattr__(self, "control_plane_endpoints", tuple(self.control_plane_endpoints))
         validate_rate(self.default_rate, field="default_rate")
         if not 0 <= self.metrics_max_users <= MAX_METRICS_USERS:
             raise ValueError(f"metrics_max_users must be 0..{MAX_METRICS_USERS}")
@@ -57,7 +61,7 @@ class OutputRateConfig:
         return (
             self.default_rate is not None
             or bool(self.user_rates)
-            or self.control_plane_endpoint is not None
+            or bool(self.control_plane_endpoints)
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def connect_control_plane(scheduler: Any, wake: Callable[[], None], rank: int = 
 
     config = scheduler.output_rate_config
     client = PushClient(
-        endpoint=config.control_plane_endpoint,
+        endpoints=config.control_plane_endpoints,
         engine_id=config.engine_id_of_rank(rank),
         model=str(scheduler.vllm_config.model_config.served_model_name or ""),
         server_public_key=config.control_plane_public_key,
@@ -89,7 +89,7 @@ def connect_control_plane(scheduler: Any, wake: Callable[[], None], rank: int = 
         logger.warning(
             "output-rate: control plane %s not reachable within %.1fs; "
             "serving with the limits from the command line until it answers",
-            config.control_plane_endpoint,
+            ",".join(config.control_plane_endpoints),
             config.snapshot_timeout_s,
         )
     scheduler.attach_push_client(client)
@@ -116,7 +116,7 @@ def wrap_run_busy_loop(original: Callable[[Any], None]) -> Callable[[Any], None]
     def run_busy_loop(self: Any) -> None:
         wake = install_wake(self)
         client = None
-        if wake is not None and self.scheduler.output_rate_config.control_plane_endpoint:
+        if wake is not None and self.scheduler.output_rate_config.control_plane_endpoints:
             # engine_index: the data-parallel rank of this engine core (0 without DP).
             client = connect_control_plane(self.scheduler, wake, vllm_compat.engine_index(self))
         try:

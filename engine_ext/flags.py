@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -13,6 +15,9 @@ from engine_ext.identity import MISSING_POLICIES, MODES, IdentityConfig
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
 from output_rate_core.ids import check_engine_id, check_user_id
 from output_rate_core.rates import MAX_RATE, validate_rate
+
+# A DNS name or a dotted IPv4 address (ZMQ resolves it at each dial).
+_HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {
@@ -83,12 +88,56 @@ def parse_user_rates(text: str) -> dict[str, int | None]:
     return rates
 
 
-def parse_endpoint(text: str) -> str:
-    if not text.startswith(("tcp://", "ipc://")):
+def _check_tcp_address(address: str) -> None:
+    """host:port of a tcp:// endpoint ZMQ can connect to (IPv6 in brackets)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError("needs host:port")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"port must be 1..65535, got {port!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{host} is no IPv6 address") from None
+    elif not _HOST.fullmatch(host):
+        hint = ""
+        with contextlib.suppress(ValueError):
+            ipaddress.IPv6Address(host)
+            hint = " (an IPv6 address goes in brackets: tcp://[::1]:5557)"
+        raise ValueError(f"{host!r} is no host name or IPv4 address{hint}")
+
+
+def _check_endpoint(entry: str) -> str:
+    if entry.startswith("tcp://"):
+        _check_tcp_address(entry.removeprefix("tcp://"))
+    elif entry.startswith("ipc://"):
+        if entry == "ipc://":
+            raise ValueError("needs a socket path")
+    else:
+        raise ValueError("must be tcp://host:port or ipc://path")
+    return entry
+
+
+def parse_endpoint(text: str) -> tuple[str, ...]:
+    """One or more comma-separated control-plane replicas, tried in this order."""
+    if not text or any(c.isspace() for c in text):
         raise argparse.ArgumentTypeError(
-            f"must be a ZMQ endpoint like tcp://host:port, got {text!r}"
+            "must be ZMQ endpoints like tcp://cp-a:5557[,tcp://cp-b:5557] without spaces, "
+            f"got {text!r}"
         )
-    return text
+    endpoints = text.split(",")
+    for entry in endpoints:
+        if not entry:
+            raise argparse.ArgumentTypeError(f"has an empty entry in {text!r}")
+        try:
+            _check_endpoint(entry)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{entry!r} is no ZMQ endpoint: {e}") from None
+    if len(set(endpoints)) != len(endpoints):
+        twice = next(e for e in endpoints if endpoints.count(e) > 1)
+        raise argparse.ArgumentTypeError(f"names {twice!r} twice")
+    return tuple(endpoints)
 
 
 def parse_metrics_users(text: str) -> int:
@@ -143,7 +192,9 @@ def add_flags(parser: Any) -> None:
         FLAGS["control_plane_endpoint"],
         type=parse_endpoint,
         default=None,
-        help="ZMQ endpoint of the output-rate control plane, e.g. tcp://127.0.0.1:5557.",
+        help="ZMQ endpoint of the output-rate control plane, e.g. tcp://127.0.0.1:5557; "
+        "replicas comma-separated (tcp://cp-a:5557,tcp://cp-b:5557): one is used at a time, "
+        "the next when it goes silent.",
     )
     group.add_argument(
         FLAGS["output_rate_engine_id"],
@@ -215,7 +266,7 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
     return OutputRateConfig(
         default_rate=getattr(args, "default_user_output_tokens_per_second", None),
         user_rates=dict(getattr(args, "user_output_tokens_per_second", None) or {}),
-        control_plane_endpoint=getattr(args, "control_plane_endpoint", None),
+        control_plane_endpoints=getattr(args, "control_plane_endpoint", None) or (),
         engine_id=engine_id,
         control_plane_public_key=getattr(args, "control_plane_public_key", None),
         snapshot_timeout_s=getattr(
@@ -249,7 +300,7 @@ def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) 
         if header is None:
             raise ValueError(f"{flag} header needs {header_flag} NAME (the header a gateway sets)")
         return IdentityConfig(mode="header", header=header, missing=missing or "refuse")
-    if rate_config.control_plane_endpoint is None:
+    if not rate_config.control_plane_endpoints:
         raise ValueError(
             f"{flag} api-key needs {FLAGS['control_plane_endpoint']} (the keys come from "
             "the control plane)"
@@ -268,7 +319,7 @@ def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) 
     model = served[0] if served else getattr(args, "model", "")
     return IdentityConfig(
         mode="api-key",
-        control_plane_endpoint=rate_config.control_plane_endpoint,
+        control_plane_endpoints=rate_config.control_plane_endpoints,
         engine_id=rate_config.engine_id,
         model=str(model or ""),
         control_plane_public_key=rate_config.control_plane_public_key,

@@ -70,14 +70,19 @@ class IdentityConfig:
     # header mode: the header a gateway sets, and what a request without it gets
     header: str | None = None
     missing: Missing = "refuse"
-    # api-key mode: where the keys come from (the engine's base id, role "api")
-    control_plane_endpoint: str | None = None
+    # api-key mode: where the keys come from (the control plane's replicas; the engine's
+    # base id, role "api")
+    control_plane_endpoints: tuple[str, ...] = ()
     engine_id: str | None = None
     model: str = ""
     control_plane_public_key: str | None = None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
+
+    def __post_init__(self) -> None:
+        # JSON gives a list back.
+        object.__setattr__(self, "control_plane_endpoints", tuple(self.control_plane_endpoints))
 
     @classmethod
     def from_env(cls, environ: MutableMapping[str, str] | None = None) -> IdentityConfig:
@@ -196,9 +201,9 @@ class IdentityMiddleware:
         from engine_ext.key_client import KeyClient
 
         config = self.config
-        assert config.control_plane_endpoint is not None and config.engine_id is not None
+        assert config.control_plane_endpoints and config.engine_id is not None
         client = KeyClient(
-            endpoint=config.control_plane_endpoint,
+            endpoints=config.control_plane_endpoints,
             engine_id=config.engine_id,
             model=config.model,
             server_public_key=config.control_plane_public_key,
@@ -207,7 +212,7 @@ class IdentityMiddleware:
         logger.info(
             "output-rate: identity from API keys (Authorization: Bearer), kept current from "
             "%s as engine %s",
-            config.control_plane_endpoint,
+            ",".join(config.control_plane_endpoints),
             config.engine_id,
         )
         return client

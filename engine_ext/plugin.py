@@ -120,7 +120,7 @@ def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any
         verify_config(
             vllm_config,
             user_scheduler_cls=self.scheduler_cls,
-            has_control_plane=rate_config.control_plane_endpoint is not None,
+            has_control_plane=bool(rate_config.control_plane_endpoints),
         )
         num_ranks = vllm_config.parallel_config.data_parallel_size
         if num_ranks > 1:
@@ -136,7 +136,7 @@ def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any
             "scheduler %s",
             rate_config.default_rate or "unlimited",
             len(rate_config.user_rates),
-            rate_config.control_plane_endpoint or "none",
+            ",".join(rate_config.control_plane_endpoints) or "none",
             scheduler_config.scheduler_cls,
         )
         return vllm_config

@@ -36,7 +36,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,10 @@ class PushConnection:
     (``_prepare``, on the IO thread), how it is installed (``_install_snapshot``) and
     what an op does (``_apply_op``), all on the applying thread: whichever thread
     calls ``_drain``, one at a time.
+
+    ``endpoints`` are the control plane's replicas (one database, one CURVE server
+    key): the connection talks to one at a time and moves to the next, round robin,
+    when it stays silent (docs/replicas.md).
     """
 
     role: p.Role = p.ENGINE_ROLE
@@ -109,7 +113,7 @@ class PushConnection:
     def __init__(
         self,
         *,
-        endpoint: str,
+        endpoints: Sequence[str],
         engine_id: str,
         model: str,
         server_public_key: str | None,
@@ -120,7 +124,11 @@ class PushConnection:
         reconnect_after_s: float = 3 * p.SERVER_SILENCE_S,
         resync_retry_s: float = p.RESYNC_RETRY_S,
     ) -> None:
-        self.endpoint = endpoint
+        if not endpoints:
+            raise ValueError(f"{type(self).__name__} needs at least one endpoint")
+        self.endpoints = tuple(endpoints)
+        # The replica in use: written by the IO thread, read by any (logs, metrics).
+        self.endpoint_index = 0
         self.engine_id = engine_id
         self.model = model
         self._server_public_key = server_public_key
@@ -155,6 +163,11 @@ class PushConnection:
         # IO-thread state.
         self.num_silences = 0
         self.num_reconnects = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The replica the client talks to now (or dials)."""
+        return self.endpoints[self.endpoint_index]
 
     # ---- what a subclass applies (applying thread; _prepare on the IO thread) ----
 
@@ -296,6 +309,8 @@ class PushConnection:
         ivl_ms = int(self._heartbeat_interval_s * 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._reconnect_after_s * 1000))
+        if self.endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)  # else ZMQ never dials an IPv6 address
         sock.connect(self.endpoint)
         # A new connection always starts with a snapshot: HELLO makes the server send one.
         hello = p.Hello(self.engine_id, self.model, self.applied_version, self.role)
@@ -305,11 +320,14 @@ class PushConnection:
     def _io_loop(self) -> None:
         context = zmq.Context()
         sock: zmq.Socket | None = None
+        # New sockets in a row on which no replica answered (throttles the log).
+        num_unanswered = 0
         try:
             while not self._stop.is_set():
+                answered = False
                 try:
                     sock = self._connect(context)
-                    self._serve(sock)
+                    answered = self._serve(sock)
                 except zmq.ZMQError as e:
                     logger.warning("output-rate: control plane socket error: %s", e)
                     self._stop.wait(0.5)
@@ -319,30 +337,57 @@ class PushConnection:
                         sock = None
                 if not self._stop.is_set():
                     self.num_reconnects += 1
-                    if self.num_reconnects == 1 or self.num_reconnects % 20 == 0:
-                        logger.warning(
-                            "output-rate: no word from the control plane at %s for %.1fs; "
-                            "new connection, keeping the last limits (down, unreachable, or "
-                            "a CURVE key mismatch)",
-                            self.endpoint,
-                            self._reconnect_after_s,
-                        )
+                    num_unanswered = 0 if answered else num_unanswered + 1
+                    log = num_unanswered <= 1 or num_unanswered % 20 == 0
+                    self._move_on(answered=answered, log=log)
         finally:
             context.term()
 
-    def _serve(self, sock: zmq.Socket) -> None:
-        """Move frames until the server stays silent for reconnect_after_s, or close.
+    def _move_on(self, *, answered: bool, log: bool) -> None:
+        """To the next replica (round robin); with one endpoint, a new socket to it."""
+        silent_at = self.endpoint
+        self.endpoint_index = (self.endpoint_index + 1) % len(self.endpoints)
+        if not log:
+            return
+        if len(self.endpoints) == 1:
+            logger.warning(
+                "output-rate: no word from the control plane at %s for %.1fs; "
+                "new connection, keeping the last limits (down, unreachable, or "
+                "a CURVE key mismatch)",
+                silent_at,
+                self._reconnect_after_s,
+            )
+            return
+        logger.warning(
+            "output-rate: no word from the control plane at %s for %.1fs; moving to "
+            "replica %d of %d at %s, keeping the last limits (down, unreachable, or "
+            "a CURVE key mismatch)",
+            silent_at,
+            self._reconnect_after_s if answered else self._silence_s,
+            self.endpoint_index + 1,
+            len(self.endpoints),
+            self.endpoint,
+        )
+
+    def _serve(self, sock: zmq.Socket) -> bool:
+        """Move frames until the server stays silent for reconnect_after_s, or close;
+        return whether it answered on this socket.
 
         A restarted server on the same endpoint needs no new socket: ZMQ redials,
         and the server answers the next heartbeat from this unknown peer with a
         snapshot. A silence of silence_s makes the engine ask for a snapshot; only a
-        long one makes a new socket (a new HELLO)."""
+        long one makes a new socket (a new HELLO, to the next replica if there are
+        several). A replica that has not answered on this socket yet is left after
+        silence_s: the next one costs nothing (every replica answers HELLO with a
+        snapshot), and an engine starting while the first replica is down gets its
+        snapshot within the default snapshot timeout."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         last_heard = time.monotonic()
         next_heartbeat = last_heard
-        silent = False
+        silent = answered = False
+        give_up_s = self._silence_s if len(self.endpoints) > 1 else self._reconnect_after_s
         while not self._stop.is_set():
             timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
             events = dict(poller.poll(timeout_ms))
@@ -364,6 +409,16 @@ class PushConnection:
                 if heard:
                     last_heard = time.monotonic()
                     silent = False
+                    if not answered:
+                        answered = True
+                        give_up_s = self._reconnect_after_s
+                        if self.num_reconnects:
+                            logger.info(
+                                "output-rate: control plane at %s answered (replica %d of %d)",
+                                self.endpoint,
+                                self.endpoint_index + 1,
+                                len(self.endpoints),
+                            )
                 if woke:
                     self._wake()
             if self._wake_read in events:
@@ -376,8 +431,8 @@ class PushConnection:
                 beat = p.Heartbeat(self.applied_version, self.engine_id, self.model, self.role)
                 with contextlib.suppress(zmq.Again):
                     sock.send(p.encode(beat), zmq.NOBLOCK)
-            if now - last_heard > self._reconnect_after_s:
-                return
+            if now - last_heard > give_up_s:
+                return answered
             if not silent and now - last_heard > self._silence_s:
                 # Once per silence: the engine asks for a snapshot (retried with backoff).
                 silent = True
@@ -385,6 +440,7 @@ class PushConnection:
                 self._inbound.put(SILENT)
                 self._wake()
             self._on_io_tick()
+        return answered
 
     def _prepare_frame(self, frame: bytes) -> _Inbound:
         """Decode and prepare a snapshot here, off the applying thread."""

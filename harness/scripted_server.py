@@ -14,7 +14,7 @@ WAIT_S = 15.0
 
 
 class ScriptedServer:
-    def __init__(self, secret_key: str | None = None) -> None:
+    def __init__(self, secret_key: str | None = None, address: str = "tcp://127.0.0.1:0") -> None:
         # Called while waiting: the engine thread's part of a test engine.
         self.pump: Callable[[], object] = lambda: None
         self.context = zmq.Context()
@@ -23,7 +23,8 @@ class ScriptedServer:
         if secret_key is not None:
             self.sock.curve_secretkey = secret_key.encode()
             self.sock.curve_server = True
-        self.sock.bind("tcp://127.0.0.1:0")
+        self.sock.ipv6 = address.startswith("tcp://[")
+        self.sock.bind(address)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def recv(self, kind: type[p.Message], timeout_s: float = WAIT_S) -> tuple[bytes, p.Message]:

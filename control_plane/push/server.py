@@ -250,6 +250,7 @@ class PushServer:
             key_uses=key_uses,
             engine_timeout_s=settings.engine_timeout_s,
             engine_retention_s=settings.engine_retention_s,
+            poll_interval_s=settings.push_poll_interval_s,
         )
 
     # ---- lifecycle (any thread) -------------------------------------------

@@ -33,11 +33,13 @@ class Stack:
         cp.wait_ready()
         return cp
 
-    def start_engine(self) -> VllmServer:
+    def start_engine(self, dead_replica: str | None = None) -> VllmServer:
+        """The engine; with ``dead_replica`` listed first, where nothing answers."""
+        endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
         engine = VllmServer(
             self.tmp / f"engine-{time.time()}.log",
             "--control-plane-endpoint",
-            f"tcp://127.0.0.1:{self.zmq_port}",
+            endpoint if dead_replica is None else f"{dead_replica},{endpoint}",
             "--output-rate-engine-id",
             "e2e-engine",
         )
@@ -126,11 +128,19 @@ def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) ->
 
 
 def test_restarted_engine_enforces_current_limits_from_its_first_request(stack: Stack) -> None:
+    """Restarted while the first control-plane replica it lists is down: it moves on to
+    the second within the silence timeout and has the snapshot before serving."""
     cp = stack.control_plane
     cp.wait_applied(cp.put("user-r", 25))
     stack.engine.kill()
-    stack.engine = stack.start_engine()
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    stack.engine = stack.start_engine(dead_replica=dead)
     first = stream(stack.engine.url, "user-r", 50, num_streams=2)
     num_tokens, span = user_rate(first)
     assert num_tokens == 100
     assert num_tokens <= (span + 0.1 + 0.3) * 25 + 1
+    log = stack.engine.log()
+    assert f"no word from the control plane at {dead} for 3.5s; moving to replica 2 of 2" in log
+    assert "not reachable within" not in log
+    engines = httpx.get(f"{cp.url}/engines", headers=AUTH).json()["items"]
+    assert [(e["engine_id"], e["connected"]) for e in engines] == [("e2e-engine", True)]

@@ -79,7 +79,7 @@ def make_key() -> tuple[str, str]:
 def key_setup() -> Iterator[Keys]:
     server = ScriptedServer()
     client = KeyClient(
-        endpoint=server.endpoint,
+        endpoints=[server.endpoint],
         engine_id="e1",
         model="tiny",
         server_public_key=None,
@@ -219,7 +219,9 @@ async def test_a_refused_request_is_answered_before_any_body_byte_is_read(
 
 async def test_keys_not_loaded_yet_is_a_503(key_setup: Keys) -> None:
     server = ScriptedServer()  # never answers
-    client = KeyClient(endpoint=server.endpoint, engine_id="e2", model="", server_public_key=None)
+    client = KeyClient(
+        endpoints=[server.endpoint], engine_id="e2", model="", server_public_key=None
+    )
     client.start()
     try:
         seen = Seen()

@@ -78,14 +78,14 @@ def test_keys_follow_the_control_plane_beside_the_engine_core(db: Database) -> N
     server = start_server(db, "tcp://127.0.0.1:0", uses)
     alice = create_key(db, server, "alice")
     keys = KeyClient(
-        endpoint=server.endpoint,
+        endpoints=[server.endpoint],
         engine_id="e1",
         model="tiny",
         server_public_key=None,
         key_use_interval_s=0.1,
     )
     core = PushClient(
-        endpoint=server.endpoint, engine_id="e1", model="tiny", server_public_key=None
+        endpoints=[server.endpoint], engine_id="e1", model="tiny", server_public_key=None
     )
     limiter = OutputRateLimiter(None)
     keys.start()

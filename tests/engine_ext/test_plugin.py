@@ -77,6 +77,13 @@ def test_flags_reach_the_engine_config_and_pick_the_sync_scheduler() -> None:
     assert config.scheduler_config.scheduler_cls == SYNC_SCHEDULER
 
 
+def test_control_plane_replicas_reach_the_engine_config() -> None:
+    config = engine_config("--control-plane-endpoint", "tcp://cp-a:5557,tcp://[::1]:5557")
+    rate_config = OutputRateConfig.from_vllm_config(config)
+    assert rate_config.control_plane_endpoints == ("tcp://cp-a:5557", "tcp://[::1]:5557")
+    assert config.scheduler_config.scheduler_cls in (SYNC_SCHEDULER, ASYNC_SCHEDULER)
+
+
 def test_scheduler_follows_the_resolved_async_scheduling() -> None:
     # vLLM's CPU platform turns async scheduling off after parsing; the choice
     # must follow the resolved value, not the flag.
@@ -101,6 +108,8 @@ def test_scheduler_follows_the_resolved_async_scheduling() -> None:
         (["--default-user-output-tokens-per-second", "-3"], "between 1 and 1000000"),
         (["--default-user-output-tokens-per-second", "fast"], "integer"),
         (["--control-plane-endpoint", "http://x"], "ZMQ endpoint"),
+        (["--control-plane-endpoint", "tcp://a:5557,tcp://b:5557,"], "empty entry"),
+        (["--control-plane-endpoint", "tcp://a:5557,tcp://a:5557"], "twice"),
         (["--output-rate-metrics-users", "-1"], "integer 0..1000"),
         (["--output-rate-metrics-users", "1001"], "integer 0..1000"),
         (["--output-rate-metrics-users", "many"], "integer 0..1000"),
@@ -201,10 +210,10 @@ def test_api_key_mode_connects_as_the_engine_with_role_api() -> None:
     )
     assert args.middleware == [MIDDLEWARE]
     config = IdentityConfig.from_env()
-    assert (config.mode, config.engine_id, config.control_plane_endpoint) == (
+    assert (config.mode, config.engine_id, config.control_plane_endpoints) == (
         "api-key",
         "eng-1",
-        CP[1],
+        (CP[1],),
     )
     assert config.model == str(TINY_MODEL)
 

@@ -25,11 +25,11 @@ def server() -> Iterator[ScriptedServer]:
 
 
 class Engine:
-    def __init__(self, endpoint: str, **kwargs: object) -> None:
+    def __init__(self, *endpoints: str, **kwargs: object) -> None:
         self.limiter = OutputRateLimiter(None, {"flag-user": 3})
         self.wakes = 0
         self.client = PushClient(
-            endpoint=endpoint,
+            endpoints=endpoints,
             engine_id="e1",
             model="tiny",
             server_public_key=None,
@@ -208,6 +208,102 @@ def test_a_silent_server_gets_a_resync_then_a_new_connection(server: ScriptedSer
         engine.client.close()
 
 
+# ---- replicas (--control-plane-endpoint a,b) -------------------------------------
+
+SNAP_RATES = {"a": 20, "b": 7, "c": 9, "d": None}
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[ScriptedServer]]:
+    servers = [ScriptedServer(), ScriptedServer()]
+    yield servers
+    for srv in servers:
+        srv.close()
+
+
+def test_a_silent_replica_is_left_for_the_next_round_robin(
+    replicas: list[ScriptedServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = replicas
+    reconnect_after_s = 1.5
+    engine = Engine(
+        first.endpoint,
+        second.endpoint,
+        silence_s=0.4,
+        reconnect_after_s=reconnect_after_s,
+        heartbeat_interval_s=0.1,
+    )
+    try:
+        first.pump = second.pump = lambda: engine.client.apply_pending(engine.limiter)
+        before_snapshot = time.monotonic()
+        old = connect(first, engine)
+        assert engine.client.endpoint == first.endpoint
+        # The first says nothing more: past reconnect_after_s the client says HELLO to the
+        # second with the version it holds, and kept the first's limits meanwhile.
+        identity, hello = second.recv(p.Hello)
+        assert time.monotonic() - before_snapshot >= reconnect_after_s
+        assert hello == p.Hello("e1", "tiny", 5)
+        assert (engine.client.endpoint_index, engine.client.endpoint) == (1, second.endpoint)
+        assert engine.limiter.user_rates() == SNAP_RATES
+        assert f"moving to replica 2 of 2 at {second.endpoint}" in caplog.text
+        second.send(identity, p.Snapshot(7, 50, {}, {"c": (None, 2)}))
+        engine.until(lambda: engine.client.applied_version == 7)
+        assert engine.limiter.user_rates() == {"c": 2}
+        assert second.recv(p.Ack)[1] == p.Ack("e1", 7)
+        # The second goes silent too: round robin, back to the first on a new connection.
+        identity, hello = first.recv(p.Hello)
+        assert identity != old
+        assert hello == p.Hello("e1", "tiny", 7)
+        assert engine.client.endpoint_index == 0
+        assert engine.limiter.user_rates() == {"c": 2}
+    finally:
+        engine.client.close()
+
+
+def test_a_replica_down_at_start_is_passed_within_the_silence_timeout(
+    server: ScriptedServer,
+) -> None:
+    dead = ScriptedServer()
+    dead_endpoint = dead.endpoint
+    dead.close()  # nothing listens there now
+    # A long reconnect timeout: only the rule for a replica that never answered can pass
+    # the dead one this soon (and within the default snapshot timeout).
+    engine = Engine(dead_endpoint, server.endpoint, silence_s=0.5, reconnect_after_s=30.0)
+    try:
+        started = time.monotonic()
+        server.pump = lambda: engine.client.apply_pending(engine.limiter)
+        connect(server, engine)
+        assert time.monotonic() - started < 0.5 + WAIT_S / 3
+        assert engine.client.endpoint_index == 1
+        assert engine.limiter.user_rates() == SNAP_RATES
+        # Answered: the replica is kept now, past the silence timeout, until reconnect_after_s.
+        server.recv(p.Resync)
+        assert engine.client.endpoint_index == 1
+    finally:
+        engine.client.close()
+
+
+def test_an_ipv6_replica_is_dialled() -> None:
+    try:
+        srv = ScriptedServer(address="tcp://[::1]:0")
+    except zmq.ZMQError:
+        pytest.skip("no IPv6 loopback here")
+    engine = Engine(srv.endpoint)
+    try:
+        assert srv.endpoint.startswith("tcp://[::1]:")
+        srv.pump = lambda: engine.client.apply_pending(engine.limiter)
+        connect(srv, engine)
+        assert engine.limiter.user_rates() == SNAP_RATES
+    finally:
+        engine.client.close()
+        srv.close()
+
+
+def test_a_client_needs_an_endpoint() -> None:
+    with pytest.raises(ValueError, match="at least one endpoint"):
+        PushClient(endpoints=[], engine_id="e1", model="m", server_public_key=None)
+
+
 def test_usage_and_heartbeats_reach_the_server(server: ScriptedServer, engine: Engine) -> None:
     connect(server, engine)
     # The engine's heartbeat restates what it applied (the first may predate the snapshot).
@@ -237,7 +333,7 @@ def test_wrong_server_key_reads_nothing() -> None:
     wrong, _ = zmq.curve_keypair()
     srv = ScriptedServer(secret_key=secret.decode())
     bad = PushClient(
-        endpoint=srv.endpoint, engine_id="bad", model="m", server_public_key=wrong.decode()
+        endpoints=[srv.endpoint], engine_id="bad", model="m", server_public_key=wrong.decode()
     )
     bad.start()
     try:

@@ -30,7 +30,7 @@ def fleet_engine(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Scripted
     sched: Any = make_scheduler(async_scheduling=request.param, default_rate=1, clock=clock)
     sched.use_fake_clock(clock)
     client = PushClient(
-        endpoint=server.endpoint, engine_id="e1", model="tiny", server_public_key=None
+        endpoints=[server.endpoint], engine_id="e1", model="tiny", server_public_key=None
     )
     client.start()
     identity, _ = server.recv(p.Hello)

@@ -27,7 +27,7 @@ class Engine:
         self.limiter = OutputRateLimiter(None)
         self.streams: dict[str, int] = {}
         self.client = PushClient(
-            endpoint=endpoint, engine_id=name, model="tiny", server_public_key=None
+            endpoints=[endpoint], engine_id=name, model="tiny", server_public_key=None
         )
         self.client.start()
 

@@ -61,7 +61,7 @@ class Engine:
     ) -> None:
         self.limiter = OutputRateLimiter(None)
         self.client = PushClient(
-            endpoint=endpoint,
+            endpoints=[endpoint],
             engine_id=name,
             model="tiny",
             server_public_key=public_key,

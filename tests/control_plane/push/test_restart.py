@@ -124,7 +124,7 @@ class Engine:
     def __init__(self, cp: ControlPlane, name: str) -> None:
         self.limiter = OutputRateLimiter(1)
         self.client = PushClient(
-            endpoint=cp.zmq_endpoint,
+            endpoints=[cp.zmq_endpoint],
             engine_id=name,
             model="tiny",
             server_public_key=cp.server_public,
@@ -234,7 +234,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
         return OutputRateConfig(
             default_rate=flags.default_rate,
             user_rates=flags.user_rates,
-            control_plane_endpoint=server.endpoint,
+            control_plane_endpoints=(server.endpoint,),
             engine_id="sched-1",
         )
 

@@ -42,7 +42,7 @@ class RealEngine:
     def __init__(self, endpoint: str, engine_id: str, **keys: str | None) -> None:
         self.limiter = OutputRateLimiter(None)
         self.client = PushClient(
-            endpoint=endpoint,
+            endpoints=[endpoint],
             engine_id=engine_id,
             model="tiny",
             server_public_key=keys.get("server_public"),

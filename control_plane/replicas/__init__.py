@@ -1,0 +1,1 @@
+"""Several `output-rate serve` processes on one PostgreSQL database (docs/replicas.md)."""

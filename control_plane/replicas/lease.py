@@ -1,0 +1,179 @@
+"""One elected replica at a time for the work that must run once for the fleet.
+
+A lease is a row of ``replica_leases``: its holder, until when (database time, so replicas'
+clocks need not agree) and a fencing token that grows by one whenever the holder changes.
+A replica takes the lease when it has expired and renews it every ``ttl / 3`` while it
+holds it. It acts as leader only until ``ttl`` after it *started* its last successful
+renewal (measured on its own monotonic clock), which is never later than the database
+deadline; so a replica that was paused (SIGSTOP, a long GC, a frozen VM) knows on waking
+that it no longer leads, before it does anything.
+
+Fencing: every write a leader makes for the fleet runs ``check_fence`` in its own
+transaction first: the lease row is read under a share lock and must still carry the
+leader's token and an unexpired deadline, else the write is refused (``NotLeader``) and
+rolled back. A new holder's token change waits for that lock, so a former leader's write
+either commits before the change or is refused after it, never interleaved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, select, text, update
+
+from control_plane.db import Database, service
+from control_plane.errors import DomainError
+from control_plane.models import MAX_REPLICA_ID_LEN, ReplicaLease, table, utcnow
+
+logger = logging.getLogger(__name__)
+
+LEADER = "leader"
+DEFAULT_TTL_S = 3.0
+leases = table(ReplicaLease)
+
+
+class NotLeader(DomainError):
+    status_code = 409
+
+
+def default_replica_id() -> str:
+    """This process, as the lease names its holder: host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"[:MAX_REPLICA_ID_LEN]
+
+
+def database_now(conn: Connection) -> datetime:
+    """The database's clock (PostgreSQL), or this process's (SQLite: one replica)."""
+    if conn.dialect.name == "postgresql":
+        now: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+        return now
+    return utcnow()
+
+
+@service("write")
+def take_or_renew(conn: Connection, *, name: str, holder: str, ttl_s: float) -> int | None:
+    """The fencing token if ``holder`` holds the lease for another ``ttl_s``, else None."""
+    row = conn.execute(
+        select(leases.c.holder, leases.c.token, leases.c.expires_at)
+        .where(leases.c.name == name)
+        .with_for_update()
+    ).one()
+    now = database_now(conn)
+    if row.holder == holder and row.expires_at > now:
+        token = int(row.token)
+    elif row.expires_at <= now:
+        token = int(row.token) + 1
+    else:
+        return None  # another replica holds it
+    conn.execute(
+        update(leases)
+        .where(leases.c.name == name)
+        .values(holder=holder, token=token, expires_at=now + timedelta(seconds=ttl_s))
+    )
+    return token
+
+
+@service("write")
+def release(conn: Connection, *, name: str, holder: str, token: int) -> None:
+    """Give the lease up at shutdown, so another replica takes it at once."""
+    conn.execute(
+        update(leases)
+        .where(leases.c.name == name, leases.c.holder == holder, leases.c.token == token)
+        .values(expires_at=database_now(conn))
+    )
+
+
+def check_fence(conn: Connection, *, name: str, token: int) -> None:
+    """In a leader's write transaction: refuse it unless ``token`` still holds the lease."""
+    row = conn.execute(
+        select(leases.c.token, leases.c.expires_at)
+        .where(leases.c.name == name)
+        .with_for_update(read=True)
+    ).one()
+    if row.token != token or row.expires_at <= database_now(conn):
+        raise NotLeader(f"lease {name!r} is no longer held with token {token}")
+
+
+@dataclass(frozen=True)
+class Term:
+    """A leadership this replica holds: its token, and until when it may act."""
+
+    token: int
+    # time.monotonic() after which this replica must not act on it
+    valid_until: float
+
+
+class LeaseKeeper:
+    """A thread that takes and renews one lease for this replica."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        holder: str,
+        name: str = LEADER,
+        ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
+        self._db = db
+        self.holder = holder
+        self.name = name
+        self.ttl_s = ttl_s
+        self._term: Term | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="output-rate-lease", daemon=True)
+        self.num_terms = 0
+
+    @property
+    def term(self) -> Term | None:
+        """The current term, or None: not the leader (now)."""
+        term = self._term
+        if term is None or time.monotonic() >= term.valid_until:
+            return None
+        return term
+
+    @property
+    def is_leader(self) -> bool:
+        return self.term is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        term = self.term
+        if term is not None:
+            try:
+                self._db.run_now(release, name=self.name, holder=self.holder, token=term.token)
+            except Exception:
+                logger.exception("could not release the %s lease", self.name)
+        self._set(None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                token = self._db.run_now(
+                    take_or_renew, name=self.name, holder=self.holder, ttl_s=self.ttl_s
+                )
+            except Exception as e:
+                # The database is unreachable: a term held lapses at its own deadline
+                # (the lease in the database lasts at least as long), then nobody leads.
+                logger.warning("could not take or renew the %s lease: %s", self.name, e)
+                self._stop.wait(self.ttl_s / 6)
+                continue
+            self._set(None if token is None else Term(token, started + self.ttl_s))
+            self._stop.wait(self.ttl_s / 3)
+
+    def _set(self, term: Term | None) -> None:
+        old, self._term = self._term, term
+        if term is not None and (old is None or old.token != term.token):
+            self.num_terms += 1
+            logger.info("replica %s leads (%s, token %d)", self.holder, self.name, term.token)
+        elif term is None and old is not None:
+            logger.info("replica %s no longer leads (%s)", self.holder, self.name)

@@ -1,0 +1,119 @@
+"""The leader lease: one holder at a time, fencing tokens, and a paused leader that wakes
+knowing it no longer leads (real SQLite and PostgreSQL; real serve processes)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from control_plane.db import Database, make_engine
+from control_plane.replicas import lease
+from tests.control_plane.factories import fresh_database
+from tests.control_plane.served import Served, serve
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    database = Database(make_engine(db_url))
+    yield database
+    database.dispose()
+
+
+def take(db: Database, holder: str, ttl_s: float = 30.0) -> int | None:
+    return db.run_now(lease.take_or_renew, name=lease.LEADER, holder=holder, ttl_s=ttl_s)
+
+
+def fence(db: Database, token: int) -> None:
+    db.write_now(lease.check_fence, name=lease.LEADER, token=token)
+
+
+def test_one_holder_at_a_time_and_a_new_token_per_holder(db: Database) -> None:
+    first = take(db, "a")
+    assert first is not None
+    assert take(db, "b") is None  # held
+    assert take(db, "a") == first  # renewed, same token
+    fence(db, first)
+    # a gives it up; b takes it with the next token, and a's token is fenced off.
+    db.run_now(lease.release, name=lease.LEADER, holder="a", token=first)
+    second = take(db, "b")
+    assert second == first + 1
+    with pytest.raises(lease.NotLeader):
+        fence(db, first)
+    fence(db, second)
+    assert take(db, "a") is None
+
+
+def test_an_expired_lease_goes_to_the_next_replica_that_asks(db: Database) -> None:
+    first = take(db, "a", ttl_s=0.2)
+    assert first is not None
+    time.sleep(0.3)
+    with pytest.raises(lease.NotLeader):
+        fence(db, first)  # expired, even before anyone else took it
+    assert take(db, "b") == first + 1
+
+
+def test_a_keeper_acts_only_within_its_term(db: Database) -> None:
+    keeper = lease.LeaseKeeper(db, holder="k", ttl_s=0.6)
+    keeper.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not keeper.is_leader:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        term = keeper.term
+        assert term is not None
+        assert term.valid_until <= time.monotonic() + 0.6
+    finally:
+        keeper.close()
+    assert not keeper.is_leader
+    assert take(db, "other") is not None  # released at close: taken at once
+
+
+def readiness(served: Served) -> dict[str, object]:
+    return httpx.get(f"{served.url}/readyz", timeout=5).json()
+
+
+@pytest.fixture
+def two_replicas(tmp_path: Path) -> Iterator[tuple[Served, Served]]:
+    with ExitStack() as stack:
+        url = stack.enter_context(fresh_database("postgres", tmp_path))
+        a = stack.enter_context(serve(url, tmp_path, env={"OUTPUT_RATE_REPLICA_ID": "replica-a"}))
+        b = stack.enter_context(serve(url, tmp_path, env={"OUTPUT_RATE_REPLICA_ID": "replica-b"}))
+        yield a, b
+
+
+def test_a_stopped_leader_is_replaced_and_wakes_as_a_follower(two_replicas) -> None:
+    a, b = two_replicas
+    deadline = time.monotonic() + 10
+    while True:
+        leaders = [r for r in (a, b) if readiness(r)["leader"]]
+        if len(leaders) == 1:
+            break
+        assert time.monotonic() < deadline, "no single leader"
+        time.sleep(0.1)
+    leader = leaders[0]
+    follower = b if leader is a else a
+    assert not readiness(follower)["leader"]
+
+    leader.process.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        while not readiness(follower)["leader"]:
+            assert time.monotonic() - stopped_at < 10, "the follower never took over"
+            time.sleep(0.05)
+        takeover_s = time.monotonic() - stopped_at
+    finally:
+        leader.process.send_signal(signal.SIGCONT)
+    print(f"\ntakeover after SIGSTOP of the leader: {takeover_s:.2f} s")
+    # Stated bound (docs/replicas.md): the lease's ttl plus one renewal period, 4 s.
+    assert takeover_s < lease.DEFAULT_TTL_S * 4 / 3 + 1.0
+    # Its very first answer after waking: not the leader (its term ran out while stopped).
+    woken = readiness(leader)
+    assert woken["leader"] is False
+    assert readiness(follower)["leader"] is True
