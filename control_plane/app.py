@@ -214,7 +214,11 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     key_uses = KeyUseRecorder(db)
     push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet, key_uses=key_uses.add)
     db.on_commit.append(push.notify)
-    history = UsageRecorder(db, retention_days=settings.usage_retention_days)
+    history = UsageRecorder(
+        db,
+        retention_days=settings.usage_retention_days,
+        max_users_per_minute=settings.usage_history_max_users_per_minute,
+    )
     lease = LeaseKeeper(db, holder=settings.replica_id or default_replica_id())
     book.on_report.append(history.add)
     app = create_app(
@@ -223,7 +227,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         db=db,
         usage_source=book,
         fleet=fleet,
-        collectors=[PushCollector(push), UsageCollector(book)],
+        collectors=[PushCollector(push), UsageCollector(book, history)],
         lease=lease,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).

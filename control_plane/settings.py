@@ -24,6 +24,7 @@ RECOMMENDED_ADMIN_TOKEN_LEN = 16
 MIN_TIMEOUT_HEARTBEATS = 1.5
 DEFAULT_ENGINE_TIMEOUT_S = 5.0
 DEFAULT_ENGINE_RETENTION_S = 24 * 3600.0
+DEFAULT_HISTORY_MAX_USERS_PER_MINUTE = 5_000
 
 
 def variable(field: str) -> str:
@@ -69,6 +70,11 @@ class Settings(BaseSettings):
     # This replica's name in the leader lease and readiness (default: host-pid).
     replica_id: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$"
+    )
+    # Users (rows) the usage history keeps per minute; a report's users beyond are left
+    # out and counted. At most 100,000 (a row is ~260 bytes: ~26 MB of history a minute).
+    usage_history_max_users_per_minute: int = Field(
+        default=DEFAULT_HISTORY_MAX_USERS_PER_MINUTE, ge=1, le=100_000
     )
 
     @field_validator("admin_token")

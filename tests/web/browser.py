@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Browser, ConsoleMessage, Page
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -33,7 +33,12 @@ class Watched:
 
 
 @contextmanager
-def watched_page(browser: Browser, viewport: dict[str, int] = DESKTOP) -> Iterator[Watched]:
+def watched_page(
+    browser: Browser, viewport: dict[str, int] = DESKTOP, *, refusals: tuple[int, ...] = ()
+) -> Iterator[Watched]:
+    """`refusals`: HTTP statuses the test makes the server answer; Chromium logs each as a
+    console error ("Failed to load resource"), which is then not counted."""
+    expected = tuple(f"the server responded with a status of {status} " for status in refusals)
     context = browser.new_context(viewport=viewport)  # type: ignore[arg-type]
     page = context.new_page()
     watched = Watched(page)
@@ -44,9 +49,11 @@ def watched_page(browser: Browser, viewport: dict[str, int] = DESKTOP) -> Iterat
         if parts.scheme not in ("data", "blob") and parts.hostname != "127.0.0.1":
             watched.foreign_requests.append(url)
 
-    page.on(
-        "console", lambda m: watched.console_errors.append(m.text) if m.type == "error" else None
-    )
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error" and not any(e in message.text for e in expected):
+            watched.console_errors.append(message.text)
+
+    page.on("console", on_console)
     page.on("pageerror", lambda e: watched.console_errors.append(f"page error: {e}"))
     page.on("request", on_request)
     try:

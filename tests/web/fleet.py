@@ -1,5 +1,6 @@
 """Realistic data for the UI tests: tiers, thousands of users, usage history and a live
-protocol peer reporting usage (a ZMQ DEALER speaking output_rate_core.protocol)."""
+protocol peer reporting usage (a ZMQ DEALER speaking output_rate_core.protocol), and an
+engine API server's view of the API keys."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from control_plane.db import Database, make_engine
 from control_plane.usage.history import UsageRecorder
 from harness.servers import ControlPlane
 from output_rate_core import protocol as p
+from output_rate_core.key_table import KeyTable
 
 TIERS = {
     "free": (10, "Free plan"),
@@ -108,6 +110,75 @@ def live_engine(served: ControlPlane, engine_id: str, users: dict[str, int]) -> 
     ready.wait(15)
     try:
         yield
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+class ApiServerPeer:
+    """What an engine's API server in api-key mode knows of the keys: a protocol peer with
+    role "api" keeping an output_rate_core KeyTable from the snapshot and key deltas, the
+    table the engine checks a presented key against. It can report key uses."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self._table = KeyTable()
+        self._lock = threading.Lock()
+        self._outbox: list[p.KeyUse] = []
+
+    def user_of(self, key: str) -> tuple[str, str] | None:
+        """(key id, user) as the engine would authenticate `key`, or None."""
+        with self._lock:
+            return self._table.user_of(key)
+
+    def report_use(self, used: dict[str, float]) -> None:
+        with self._lock:
+            self._outbox.append(p.KeyUse(self.engine_id, used))
+
+    def run(self, endpoint: str, stop: threading.Event, ready: threading.Event) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        engine_id = self.engine_id
+        try:
+            sock.send(p.encode(p.Hello(engine_id, "tiny", 0, role=p.API_ROLE)))
+            version = 0
+            while not stop.is_set():
+                while sock.poll(0):
+                    message = p.decode(sock.recv())
+                    if isinstance(message, p.Snapshot | p.Delta):
+                        with self._lock:
+                            if isinstance(message, p.Snapshot):
+                                self._table = KeyTable.from_snapshot(message)
+                            else:
+                                for op in message.ops:
+                                    self._table.apply(op)
+                        version = message.version
+                        sock.send(p.encode(p.Ack(engine_id, version)))
+                        ready.set()
+                with self._lock:
+                    outbox, self._outbox = self._outbox, []
+                for use in outbox:
+                    sock.send(p.encode(use))
+                sock.send(p.encode(p.Heartbeat(version, engine_id, "tiny", role=p.API_ROLE)))
+                stop.wait(0.2)
+        finally:
+            sock.close()
+            context.term()
+
+
+@contextmanager
+def api_server(served: ControlPlane, engine_id: str) -> Iterator[ApiServerPeer]:
+    """A connected API-server peer (role "api") of `engine_id`, heartbeating every 0.2 s."""
+    peer = ApiServerPeer(engine_id)
+    stop = threading.Event()
+    ready = threading.Event()
+    thread = threading.Thread(target=peer.run, args=(served.zmq_endpoint, stop, ready), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(15), "the API-server peer got no snapshot"
+        yield peer
     finally:
         stop.set()
         thread.join(5)

@@ -10,18 +10,18 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from harness.servers import ControlPlane, free_port
 from tests.control_plane.factories import fresh_database
-from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, DESKTOP, PHONE, watched_page
-from tests.web.fleet import live_engine, seed, write_history
+from tests.web.browser import DESKTOP, PHONE, watched_page
+from tests.web.fleet import api_server, live_engine, seed, write_history
 
 TOKEN = ControlPlane.TOKEN
 HEADERS = ControlPlane.auth_headers()
@@ -47,14 +47,6 @@ def served(
             yield server
         finally:
             server.kill()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield chromium
-        chromium.close()
 
 
 def api(served: ControlPlane, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -395,6 +387,7 @@ def test_a_viewer_session_has_no_write_controls_and_writes_are_refused(
     browser: Browser, served: ControlPlane
 ) -> None:
     token = api(served, "POST", "/tokens", json={"name": "ro-ui"}).json()["token"]
+    key_id = ensure_key(served, "user-00001")
     with watched_page(browser) as watched:
         page = watched.page
         sign_in(page, served, token=token)
@@ -408,6 +401,9 @@ def test_a_viewer_session_has_no_write_controls_and_writes_are_refused(
                 "#view button:text-matches('^(Save|Create|Edit|Delete|Remove|Revoke|Preview)')"
             )
             expect(writes).to_have_count(0)
+            if view == "users/user-00001":  # the keys are listed, with no way to change them
+                expect(page.locator(f'#user-keys-table tr[data-key="{key_id}"]')).to_be_visible()
+                expect(page.locator("#user-keys-table thead th")).to_have_count(3)
         expect(page.locator("#view")).to_contain_text("read-only")
     viewer = {"Authorization": f"Bearer {token}"}
     before = tier(served, "pro")
@@ -417,10 +413,237 @@ def test_a_viewer_session_has_no_write_controls_and_writes_are_refused(
         ("PATCH", "/limits/user-00001", {"output_tokens_per_second": 1}),
         ("PUT", "/default-limit", {"output_tokens_per_second": None}),
         ("DELETE", "/limits/user-00001", None),
+        ("POST", "/users/user-00001/keys", None),
+        ("DELETE", f"/keys/{key_id}", None),
     ]:
         response = api(served, method, path, json=body, headers=viewer)
         assert response.status_code == 403, (method, path)
     assert tier(served, "pro") == before
+    assert key_id in [k["id"] for k in keys_of(served, "user-00001")]
+
+
+# ---- API keys --------------------------------------------------------------------------
+
+
+def keys_of(served: ControlPlane, user: str) -> list[dict[str, Any]]:
+    return list(api(served, "GET", f"/users/{user}/keys").json()["items"])
+
+
+def ensure_key(served: ControlPlane, user: str) -> str:
+    """The id of one of the user's keys, created if it has none."""
+    items = keys_of(served, user)
+    if items:
+        return str(items[0]["id"])
+    response = api(served, "POST", f"/users/{user}/keys")
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def create_key_in_ui(
+    page: Page, served: ControlPlane, user: str, known: set[str]
+) -> tuple[str, dict[str, Any]]:
+    """Press Create key on `user`'s page: (the key shown, its item in GET), `known` being
+    the ids the user had before."""
+    page.get_by_role("button", name="Create key").click()
+    field = page.locator("#new-key")
+    expect(field).to_be_focused()
+    secret = field.input_value()
+    (item,) = [k for k in keys_of(served, user) if k["id"] not in known]
+    return secret, item
+
+
+def test_an_api_key_is_shown_once_authenticates_and_is_revoked_after_confirmation(
+    admin: Page, served: ControlPlane
+) -> None:
+    user = "key-holder"
+    with api_server(served, "keys-engine") as engine_api:
+        admin.goto(f"{served.url}/ui/#/users/{user}")
+        expect(admin.locator("#user-keys")).to_have_text("No API keys.")
+        secret, item = create_key_in_ui(admin, served, user, set())
+        prefix = item["prefix"]
+        # The list shows its prefix, the start of the key; the secret is nowhere else.
+        assert secret.startswith(f"{prefix}_") and len(secret) > len(prefix) + 40
+        expect(admin.locator("#new-key-box")).to_contain_text(
+            "This is the only time the key is shown"
+        )
+        toast(admin).to_contain_text(f"API key {prefix} created for {user}.")
+        row = admin.locator(f'#user-keys-table tr[data-key="{item["id"]}"]')
+        expect(row.locator("td").nth(0)).to_have_text(prefix)
+        expect(row.locator("td").nth(2)).to_have_text("never")
+        assert secret not in row.inner_text()
+        # An engine's API server, from the keys the control plane pushed, takes this key
+        # as this user's.
+        wait_for(lambda: engine_api.user_of(secret) == (item["id"], user))
+        # Not kept by the browser: not in storage, cookies or the address.
+        kept = admin.evaluate(
+            "() => JSON.stringify([{...localStorage}, {...sessionStorage}, document.cookie,"
+            " location.href, history.state])"
+        )
+        assert secret not in kept
+        # The periodic refresh (10 s) redraws the list; the shown key and what the operator
+        # typed and did not save stay.
+        admin.fill("#user-override-rate", "77")
+        other = api(served, "POST", f"/users/{user}/keys").json()
+        expect(admin.locator("#user-keys-table tbody tr")).to_have_count(2)
+        expect(admin.locator("#new-key")).to_have_value(secret)
+        expect(admin.locator("#user-override-rate")).to_have_value("77")
+        # Gone after a reload.
+        admin.reload()
+        expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+        expect(admin.locator("#user-keys-table tbody tr")).to_have_count(2)
+        expect(admin.locator("#new-key")).to_have_count(0)
+        assert secret not in admin.content()
+
+        # Revoking asks first, naming the key and the effect; Cancel keeps it.
+        revoke = admin.get_by_role("button", name=f"Revoke API key {prefix}")
+        revoke.click()
+        dialog = admin.locator("#confirm")
+        expect(dialog.locator("#confirm-title")).to_have_text(f"Revoke API key {prefix}?")
+        expect(dialog).to_contain_text(
+            f"Requests with the key {prefix}… are refused by every engine within a moment."
+        )
+        dialog.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_hidden()
+        assert {k["id"] for k in keys_of(served, user)} == {item["id"], other["id"]}
+        revoke.click()
+        dialog.get_by_role("button", name=f"Revoke {prefix}").click()
+        toast(admin).to_contain_text(f"API key {prefix} of {user} revoked.")
+        expect(row).to_have_count(0)
+        expect(admin.locator("#user-keys-table tbody tr")).to_have_count(1)
+        assert [k["id"] for k in keys_of(served, user)] == [other["id"]]
+        wait_for(lambda: engine_api.user_of(secret) is None)
+        assert engine_api.user_of(other["key"]) == (other["id"], user)
+        # The engines view says which config version the API server's keys are of.
+        version = api(served, "GET", "/engines").json()["version"]
+        admin.goto(f"{served.url}/ui/#/engines")
+        cell = admin.locator('#engines tr[data-engine="keys-engine"] td').nth(4)
+        expect(cell).to_have_text(f"keys of {version}")
+        admin.go_back()
+    # The user's audit trail names the key, never its secret.
+    audit = admin.locator("#audit")
+    expect(audit).to_contain_text("revoke key")
+    expect(audit.locator("tr", has_text="create key")).to_have_count(2)
+    expect(audit).to_contain_text(f"API key {prefix}")
+    assert secret not in audit.inner_text()
+
+
+def test_a_shown_key_goes_when_dismissed_left_or_revoked_and_last_use_is_shown(
+    admin: Page, served: ControlPlane
+) -> None:
+    user = "key-user"
+    with api_server(served, "keys-engine-2") as engine_api:
+        admin.goto(f"{served.url}/ui/#/users/{user}")
+        expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+        _, first = create_key_in_ui(admin, served, user, set())
+        admin.get_by_role("button", name="Done: hide the key").click()
+        expect(admin.locator("#new-key")).to_have_count(0)
+        expect(admin.get_by_role("button", name="Create key")).to_be_focused()
+        # Leaving the page and coming back (history): not shown again.
+        _, second = create_key_in_ui(admin, served, user, {first["id"]})
+        admin.get_by_role("link", name="← All users").click()
+        expect(admin.locator('#view[data-ready="users"]')).to_have_count(1)
+        admin.go_back()
+        expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+        expect(admin.locator("#user-keys-table tbody tr")).to_have_count(2)
+        expect(admin.locator("#new-key")).to_have_count(0)
+        # Revoking the key that is shown hides it too.
+        _, third = create_key_in_ui(admin, served, user, {first["id"], second["id"]})
+        admin.get_by_role("button", name=f"Revoke API key {third['prefix']}").click()
+        admin.locator("#confirm").get_by_role("button", name=f"Revoke {third['prefix']}").click()
+        expect(admin.locator("#new-key")).to_have_count(0)
+        expect(admin.locator("#user-keys-table tbody tr")).to_have_count(2)
+        # An API server reports a use: the list shows when (the next flush and refresh).
+        row = admin.locator(f'#user-keys-table tr[data-key="{first["id"]}"]')
+        expect(row.locator("td").nth(2)).to_have_text("never")
+        engine_api.report_use({first["id"]: time.time() - 30})
+        wait_for(
+            lambda: any(k["last_used_at"] for k in keys_of(served, user) if k["id"] == first["id"]),
+            timeout_s=30,
+        )
+        (used_at,) = [k["last_used_at"] for k in keys_of(served, user) if k["id"] == first["id"]]
+        shown = admin.evaluate("iso => new Date(iso).toLocaleString()", used_at)
+        expect(row.locator("td").nth(2)).to_have_text(shown)
+        other = admin.locator(f'#user-keys-table tr[data-key="{second["id"]}"]')
+        expect(other.locator("td").nth(2)).to_have_text("never")
+
+
+def test_copy_puts_the_key_on_the_clipboard_or_selects_it(
+    admin: Page, served: ControlPlane
+) -> None:
+    user = "key-copier"
+    admin.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=served.url)
+    admin.goto(f"{served.url}/ui/#/users/{user}")
+    expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+    secret, first = create_key_in_ui(admin, served, user, set())
+    admin.get_by_role("button", name="Copy").click()
+    expect(admin.locator("#new-key-status")).to_have_text("Copied to the clipboard.")
+    assert admin.evaluate("navigator.clipboard.readText()") == secret
+    # Without a clipboard (plain http to a host that is not this machine): the key is
+    # selected for the operator's own Ctrl+C.
+    admin.add_init_script(
+        "Object.defineProperty(Navigator.prototype, 'clipboard', { get: () => undefined })"
+    )
+    admin.reload()
+    expect(admin.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+    secret, _ = create_key_in_ui(admin, served, user, {first["id"]})
+    admin.get_by_role("button", name="Copy").click()
+    expect(admin.locator("#new-key-status")).to_contain_text("selected: press Ctrl+C")
+    selection = admin.evaluate(
+        """() => { const i = document.getElementById('new-key');
+        return [document.activeElement === i, i.selectionStart, i.selectionEnd]; }"""
+    )
+    assert selection == [True, 0, len(secret)]
+
+
+def test_api_keys_at_phone_size_by_keyboard(browser: Browser, served: ControlPlane) -> None:
+    user = "key-phone"
+    ensure_key(served, user)
+    with watched_page(browser, PHONE) as watched:
+        page = watched.page
+        sign_in(page, served, view=f"users/{user}")
+        expect(page.locator(f'#view[data-ready="users/{user}"]')).to_have_count(1)
+        revoke = page.get_by_role("button", name=re.compile("^Revoke API key "))
+        revoke.first.focus()
+        page.keyboard.press("Tab")
+        create = page.get_by_role("button", name="Create key")
+        expect(create).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page.locator("#new-key")).to_be_focused()
+        page.keyboard.press("Tab")
+        expect(page.get_by_role("button", name="Copy")).to_be_focused()
+        page.keyboard.press("Tab")
+        done = page.get_by_role("button", name="Done: hide the key")
+        expect(done).to_be_focused()
+        expect(page.locator("#user-keys-table tbody tr")).to_have_count(2)
+        # At 390 px the rows stack as cards: every cell, the key and its buttons on screen.
+        width = PHONE["width"]
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        cells = page.locator("#user-keys-table td, #new-key, #new-key-copy, #new-key-done")
+        assert cells.count() == 2 * 4 + 3
+        for box in [cells.nth(i).bounding_box() for i in range(cells.count())]:
+            assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= width, box
+        labels = page.locator("#user-keys-table td").evaluate_all(
+            "tds => tds.map(td => getComputedStyle(td, '::before').content)"
+        )
+        assert labels[:3] == ['"Key"', '"Created"', '"Last used"']
+        page.keyboard.press("Enter")
+        expect(page.locator("#new-key")).to_have_count(0)
+        expect(create).to_be_focused()
+        # Back to the newest key's Revoke; the dialog is keyboard operable (Escape cancels).
+        page.keyboard.press("Shift+Tab")
+        expect(revoke.last).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page.locator("#confirm-cancel")).to_be_focused()
+        page.keyboard.press("Escape")
+        expect(page.locator("#confirm")).to_be_hidden()
+        assert len(keys_of(served, user)) == 2
 
 
 # ---- history chart -------------------------------------------------------------------
@@ -531,6 +754,7 @@ def test_every_view_at_both_sizes(
     out = out / kind
     out.mkdir(parents=True, exist_ok=True)
     live = {f"user-{i:05d}": 20 + 3 * i for i in range(60)}
+    ensure_key(served, "user-00001")  # the user page with its keys listed
     with (
         live_engine(served, "engine-a", dict(list(live.items())[:40])),
         live_engine(served, "engine-b", dict(list(live.items())[20:])),

@@ -9,7 +9,8 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from harness.servers import ControlPlane, free_port
-from tests.web.test_admin_ui import CHROMIUM, CHROMIUM_ARGS, TOKEN
+from tests.web.browser import CHROMIUM, CHROMIUM_ARGS
+from tests.web.test_admin_ui import TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 // The REST API of the control plane that serves this page. Errors become ApiError
 // with the field the server named and a message in plain words.
 
+import { plural } from "./dom.js";
+
 const TOKEN_KEY = "output-rate-token";
 
 export const getToken = () => localStorage.getItem(TOKEN_KEY) || "";
@@ -24,8 +26,15 @@ const FIELD_WORDS = {
 };
 
 // The server's messages name fields and pydantic's rules; say the same in plain words.
-export function plainMessage(status, data) {
+// retryAfterS: the Retry-After of a 429, said as when to try again.
+export function plainMessage(status, data, retryAfterS = null) {
   const detail = data && typeof data.detail === "string" ? data.detail : "";
+  if (status === 429) {
+    const why = detail
+      ? `${detail.charAt(0).toUpperCase()}${detail.slice(1)}.`
+      : "Too many requests.";
+    return retryAfterS ? `${why} Try again in ${plural(retryAfterS, "second")}.` : why;
+  }
   if (status === 401) return "The token was not accepted. Enter the admin token or a viewer token.";
   if (status === 403)
     return "This session is read-only (viewer token): the control plane refused the change.";
@@ -75,7 +84,13 @@ export async function api(method, path, body, { contentType = "application/json"
     } catch (_) {
       /* not JSON */
     }
-    throw new ApiError(response.status, plainMessage(response.status, data), data?.field);
+    // Whole seconds (RFC 9110 also allows a date, which this server does not send).
+    const retryAfterS = Number.parseInt(response.headers.get("Retry-After") || "", 10) || null;
+    throw new ApiError(
+      response.status,
+      plainMessage(response.status, data, retryAfterS),
+      data?.field,
+    );
   }
   return response.status === 204 ? null : response.json();
 }

@@ -21,12 +21,13 @@ export function describe(action, value) {
   if ("description" in value)
     parts.push(value.description ? `description “${value.description}”` : "no description");
   if ("name" in value) parts.push(`name ${value.name}`);
+  if ("prefix" in value) parts.push(`API key ${value.prefix}`);
   if ("revoked" in value) parts.push(value.revoked ? "revoked" : "active");
   return parts.join(", ");
 }
 
 function targetLink(entry) {
-  if (/limit$/.test(entry.action) && entry.action !== "bulk_put_limits")
+  if (/(limit|key)$/.test(entry.action) && entry.action !== "bulk_put_limits")
     return h("a", { href: link("users", entry.target) }, entry.target);
   if (/tier$/.test(entry.action)) return h("a", { href: link("tiers") }, entry.target);
   return entry.target;

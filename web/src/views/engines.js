@@ -1,8 +1,20 @@
-// Engines: the version each applied, connected or not, the fleet users it holds a share
-// for, last seen.
+// Engines: the version each applied, connected or not, the version its API server applied
+// (its API keys), the fleet users it holds a share for, last seen.
 
 import { api } from "../api.js";
 import { fmtInt, fmtTime, h, plural, section, table } from "../dom.js";
+
+// The version the engine's API server applied: what its API keys are as of (none: no API
+// server of the engine is connected, as without --output-rate-identity api-key).
+function apiServerCell(applied, version) {
+  if (applied === null) return h("td", {}, "none connected");
+  const behind = applied < version;
+  return h(
+    "td",
+    { class: behind ? "stale" : "" },
+    behind ? `keys of ${applied} (behind)` : `keys of ${applied}`,
+  );
+}
 
 export async function render(main) {
   const box = h("div");
@@ -25,7 +37,15 @@ export async function render(main) {
       items.length
         ? table(
             "engines",
-            ["Engine", "Model", "Applied version", "Connected", "Fleet users shared", "Last seen"],
+            [
+              "Engine",
+              "Model",
+              "Applied version",
+              "Connected",
+              "API server",
+              "Fleet users shared",
+              "Last seen",
+            ],
             items.map((e) =>
               h(
                 "tr",
@@ -40,6 +60,7 @@ export async function render(main) {
                     : String(e.applied_version),
                 ),
                 h("td", {}, e.connected ? "yes" : "no"),
+                apiServerCell(e.api_applied_version, version),
                 h("td", {}, fmtInt(e.num_shared_users)),
                 h("td", {}, fmtTime(e.last_seen)),
               ),

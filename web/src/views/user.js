@@ -1,8 +1,9 @@
 // One user's page: the record, its scope and the shares engines hold of a fleet limit, a
 // form that changes only what was changed (merge patch), removal with its effect stated,
-// the rate against the limit over time, its audit trail.
+// its API keys, the rate against the limit over time, its audit trail.
 
 import { api, mergePatch, userPath } from "../api.js";
+import { apiKeysSection } from "../api-keys.js";
 import { historyChart } from "../chart.js";
 import { fmtRateUnit, h, section, table } from "../dom.js";
 import { confirmEffect, handleSubmit, toast } from "../feedback.js";
@@ -22,6 +23,7 @@ export async function render(main, route) {
   const formBox = h("div");
   const auditBox = h("div");
   const sharesBox = h("div", { id: "user-shares" });
+  const keys = apiKeysSection(user);
   const chart = historyChart({
     user,
     range: route.params.get("range") || "1h",
@@ -31,6 +33,7 @@ export async function render(main, route) {
     h("p", {}, h("a", { href: link("users") }, "← All users")),
     h("h2", { class: "view-title" }, `User ${user}`),
     section("Limit", summary, formBox),
+    section("API keys", keys.el),
     section("Fleet shares", sharesBox),
     section("Rate against the limit", chart.el),
     section("Changes to this user", auditBox),
@@ -171,6 +174,7 @@ export async function render(main, route) {
       api("GET", "/default-limit"),
       api("GET", `/audit?${new URLSearchParams({ target: user, limit: "50" })}`),
       api("GET", `/limits?${new URLSearchParams({ q: user, limit: "1" })}`),
+      keys.refresh(),
     ]);
     view.configured = list.items.length > 0 && list.items[0].user === user;
     tiers = tierList.items;
@@ -277,7 +281,10 @@ export async function render(main, route) {
       await refresh();
       if (ticks % 3 === 0) await chart.refresh();
     },
-    destroy: () => chart.destroy(),
+    destroy() {
+      chart.destroy();
+      keys.destroy();
+    },
     interval: 10000,
   };
 }
