@@ -29,6 +29,7 @@ class _PreparedKeys(Prepared):
 
 class KeyClient(PushConnection):
     role: p.Role = p.API_ROLE
+    kept = "API keys"
 
     def __init__(self, *, key_use_interval_s: float = p.KEY_USE_INTERVAL_S, **kwargs: Any) -> None:
         super().__init__(**kwargs)

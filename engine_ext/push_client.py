@@ -158,6 +158,8 @@ class PushConnection:
     """
 
     role: p.Role = p.ENGINE_ROLE
+    # What the connection keeps while the control plane is silent (for its logs).
+    kept = "limits"
 
     def __init__(
         self,
@@ -402,21 +404,23 @@ class PushConnection:
         if len(self.endpoints) == 1:
             logger.warning(
                 "output-rate: no word from the control plane at %s for %.1fs; "
-                "new connection, keeping the last limits (down, unreachable, or "
+                "new connection, keeping the last %s (down, unreachable, or "
                 "a CURVE key mismatch)",
                 silent_at,
                 self._reconnect_after_s,
+                self.kept,
             )
             return
         logger.warning(
             "output-rate: no word from the control plane at %s for %.1fs; moving to "
-            "replica %d of %d at %s, keeping the last limits (down, unreachable, or "
+            "replica %d of %d at %s, keeping the last %s (down, unreachable, or "
             "a CURVE key mismatch)",
             silent_at,
             self._reconnect_after_s if answered else self._silence_s,
             self.endpoint_index + 1,
             len(self.endpoints),
             self.endpoint,
+            self.kept,
         )
 
     def _serve(self, sock: zmq.Socket) -> bool:
