@@ -213,6 +213,8 @@ class PushConnection:
         self.num_resyncs = 0
         # IO-thread state.
         self.num_silences = 0
+        # The replica said goodbye (it shuts down): the IO thread moves on at once.
+        self._left = False
         self.num_reconnects = 0
 
     @property
@@ -399,6 +401,18 @@ class PushConnection:
         """To the next replica (round robin); with one endpoint, a new socket to it."""
         silent_at = self.endpoint
         self.endpoint_index = (self.endpoint_index + 1) % len(self.endpoints)
+        if self._left:
+            self._left = False
+            logger.info(
+                "output-rate: control plane at %s is shutting down; on to replica %d of %d at "
+                "%s, keeping the last %s",
+                silent_at,
+                self.endpoint_index + 1,
+                len(self.endpoints),
+                self.endpoint,
+                self.kept,
+            )
+            return
         if not log:
             return
         if len(self.endpoints) == 1:
@@ -453,6 +467,10 @@ class PushConnection:
                     except zmq.Again:
                         break
                     kind = p.peek_type(frame)
+                    if kind == p.GOODBYE:
+                        # The replica shuts down: on to the next one now.
+                        self._left = True
+                        return True
                     if kind == p.SNAPSHOT:
                         self._inbound.put(self._prepare_frame(frame))
                         self._snapshot_seen.set()

@@ -80,6 +80,8 @@ UNPROVEN_GRACE_S = 10.0
 # Malformed or refused engine messages: the first of each kind is logged, then one
 # summary line per this interval with the counts.
 DROP_LOG_INTERVAL_S = 60.0
+# How long a closing server's socket keeps trying to deliver its goodbyes.
+GOODBYE_LINGER_MS = 500
 # Engine rows not seen for the retention are deleted this often.
 RETENTION_SWEEP_INTERVAL_S = 60.0
 # The ops each role receives of a delta (the rest are left out, the version kept).
@@ -389,7 +391,12 @@ class PushServer:
                     logger.exception("output-rate push loop error")
                     self._stop.wait(0.5)
         finally:
-            router.close(linger=0)
+            # Shutting down: tell every peer, so engines move to another replica at once
+            # (the frames get a moment to leave before the socket goes).
+            goodbye = p.encode(p.Goodbye())
+            for identity in list(self.peers):
+                self._send(router, identity, goodbye)
+            router.close(linger=GOODBYE_LINGER_MS)
             wake.close(linger=0)
 
     def _drain(self, router: zmq.Socket) -> None:
@@ -416,7 +423,7 @@ class PushServer:
     ) -> None:
         now = time.monotonic()
         peer = self.peers.get(identity)
-        if isinstance(message, p.Snapshot | p.Delta | p.Shares):
+        if isinstance(message, p.Snapshot | p.Delta | p.Shares | p.Goodbye):
             self.drops.note("server-only message from an engine")
             return
         if peer is None:
