@@ -103,7 +103,10 @@ def list_audit(
     The page is cut by the entries' stored sizes, so only the before/after it inlines are
     read (a 10,000-user bulk entry's are ~1 MB)."""
     _check_target(kind, target)
-    ids = _page_ids(conn, limit=limit, before_id=before_id, kind=kind, target=target)
+    # One more than the page: whether anything older is left.
+    ids = _page_ids(conn, limit=limit + 1, before_id=before_id, kind=kind, target=target)
+    older_left = len(ids) > limit
+    ids = ids[:limit]
     heads: list[Row[Any]] = []
     size = 0
     for head in repo.get_heads(conn, ids):
@@ -138,7 +141,7 @@ def list_audit(
                 else None,
             )
         )
-    more = len(items) < len(ids) or len(ids) == limit
+    more = len(items) < len(ids) or older_left
     return AuditList(items=items, next_before_id=items[-1].id if items and more else None)
 
 

@@ -183,6 +183,10 @@ def test_a_users_history_pages_through_its_own_and_bulk_entries(client: TestClie
     for limit in (1, 2, 3, 5, 16, 1000):
         found = entries(client, target="u", limit=limit)
         assert [e["id"] for e in found] == expected, limit
+    # A page that ends at the first entry says so (no empty page after it).
+    assert len(expected) == 16
+    last = client.get("/audit", params={"target": "u", "limit": 8, "before_id": expected[7]})
+    assert len(last.json()["items"]) == 8 and last.json()["next_before_id"] is None
     found = entries(client, target="u")
     bulks = [e for e in found if e["target_kind"] == "bulk"]
     assert len(bulks) == 8
