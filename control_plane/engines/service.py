@@ -14,6 +14,7 @@ from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import service as limits
+from control_plane.replicas.lease import database_now
 from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.
@@ -76,10 +77,54 @@ def delete_engine(conn: Connection, *, engine_id: str) -> None:
 
 
 @service("write")
-def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
+def claim_engine(conn: Connection, *, engine_id: str, replica: str, timeout_s: float) -> bool:
+    """Bind an engine core to this replica fleet-wide: False when another replica holds
+    it (connected there and heard within ``timeout_s``, database time)."""
+    now = database_now(conn)
+    row = repo.home_of(conn, engine_id)
+    if row is None:
+        # New: the row is made now (a replica claiming it at the same moment fails on
+        # the primary key and refuses).
+        repo.insert_engines(
+            conn,
+            [
+                {
+                    "engine_id": engine_id,
+                    "connected": True,
+                    "first_seen": now,
+                    "last_seen": now,
+                    "home_replica": replica,
+                    "home_seen_at": now,
+                }
+            ],
+        )
+        return True
+    held_elsewhere = (
+        row.home_replica not in (None, replica)
+        and row.connected
+        and row.home_seen_at is not None
+        and (now - row.home_seen_at).total_seconds() <= timeout_s
+    )
+    if held_elsewhere:
+        return False
+    repo.set_home(conn, engine_id, replica, now)
+    return True
+
+
+@service("read")
+def count_live_engines(conn: Connection, *, timeout_s: float) -> int:
+    """Engine cores connected to any replica (the fleet's size, as the database knows)."""
+    return repo.count_homed_since(conn, database_now(conn) - timedelta(seconds=timeout_s))
+
+
+@service("write")
+def record_engines(
+    conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None
+) -> None:
     """Engine cores and API servers that are connected now, as last seen: one row per
     engine_id. The core owns the row's model, applied version and connected flag; its
-    API server only its api_applied_version (and keeps the row from expiring)."""
+    API server only its api_applied_version (and keeps the row from expiring). With
+    ``replica``, the cores are homed at that replica, heard now."""
     now = datetime.now(UTC)
     # engine id -> role -> what was seen of it
     by_id: dict[str, dict[p.Role, EngineSeen]] = {}
@@ -115,18 +160,33 @@ def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
             )
         if api is not None:
             api_rows.append((engine_id, api.applied_version))
+    if replica is not None:
+        home_seen_at = database_now(conn)
+        for row in new_rows:
+            homed = bool(row["connected"])
+            row.update(
+                home_replica=replica if homed else None,
+                home_seen_at=home_seen_at if homed else None,
+            )
+    else:
+        home_seen_at = None
     repo.insert_engines(conn, new_rows)
-    repo.update_engines(conn, core_rows)
+    repo.update_engines(conn, core_rows, home=replica, home_seen_at=home_seen_at)
     repo.update_api_versions(conn, api_rows, last_seen=now)
 
 
 @service("write")
 def disconnect_engines(
-    conn: Connection, *, engine_ids: Sequence[str] | None, role: p.Role = p.ENGINE_ROLE
+    conn: Connection,
+    *,
+    engine_ids: Sequence[str] | None,
+    role: p.Role = p.ENGINE_ROLE,
+    replica: str | None = None,
 ) -> None:
     """Mark these engines' cores disconnected, or (role api) clear their API servers'
-    applied version; None: every engine."""
+    applied version; None: every engine. With ``replica``, only the cores homed there
+    (an engine that moved to another replica stays connected)."""
     if role == p.API_ROLE:
         repo.clear_api_versions(conn, engine_ids)
     else:
-        repo.set_engines_disconnected(conn, engine_ids)
+        repo.set_engines_disconnected(conn, engine_ids, home=replica)

@@ -10,11 +10,18 @@ version; only users some engine reported demand for are given to the allocator.
 Epochs: each time an engine (re)joins the allocator it gets a fresh epoch, so its
 share sequence starts over and the engine takes the first full table of the new epoch
 whatever sequence number it held (docs/fleet.md).
+
+Quiet start: a coordinator that takes over from another (a new leader replica,
+docs/replicas.md) knows nothing of the shares its predecessor gave out, which engines
+enforce until their lease ends. Until ``quiet_until`` it listens (demand, engines) and
+sends nothing, so every engine is on its safe shares, or on its predecessor's, never on
+a mix of both allocators' shares.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -27,6 +34,16 @@ from output_rate_core.limits import EVERYONE, FLEET, LimitModel
 
 # Users nobody reports demand for any more are dropped from the tracked set this often.
 TRACKED_SWEEP_INTERVAL_S = 30.0
+# A successor's quiet start outlasts its predecessor's last lease by this much: the
+# delivery of the predecessor's last message (a relayed one waits for its batch).
+TAKEOVER_MARGIN_S = 1.0
+
+
+def quiet_until(predecessor_stopped_at: float, lease_s: float) -> float:
+    """When a coordinator may send its first shares: every lease its predecessor, which
+    sent nothing after ``predecessor_stopped_at`` (monotonic), gave out has ended."""
+    return predecessor_stopped_at + lease_s + TAKEOVER_MARGIN_S
+
 
 LoadSnapshot = Callable[[], p.Snapshot]
 LoadChanges = Callable[[int], list[tuple[int, list[dict[str, Any]]]]]
@@ -39,8 +56,12 @@ class FleetCoordinator:
         lease_s: float,
         gone_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quiet_until: float = -math.inf,
     ) -> None:
         self._clock = clock
+        self.quiet_until = quiet_until
+        # Shares frames this coordinator returned to be sent.
+        self.num_frames = 0
         self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
         self._lock = threading.Lock()
         self._model = LimitModel()
@@ -93,10 +114,13 @@ class FleetCoordinator:
                     self._tracked.add(user)
                     self._allocator.set_limit(user, self._limit_of(user))
             self._allocator.set_demand(engine_id, demand.streams, full=demand.full)
+            if self.quiet:
+                return []  # the first step after the quiet start sends full tables
             frames = self._frames(self._allocator.step())
             if demand.full:
                 # After a snapshot or a gap the engine asks for everything it holds.
                 frames.append(self._frame(engine_id, self._allocator.full_update(engine_id)))
+                self.num_frames += 1
             return frames
 
     def on_ack(self, engine_id: str, ack: p.ShareAck) -> bool:
@@ -107,8 +131,14 @@ class FleetCoordinator:
             self._allocator.acked(engine_id, ack.seq)
             return True
 
+    @property
+    def quiet(self) -> bool:
+        return self._clock() < self.quiet_until
+
     def step(self) -> list[tuple[str, p.Shares]]:
         with self._lock:
+            if self.quiet:
+                return []
             frames = self._frames(self._allocator.step())
             now = self._clock()
             if now >= self._next_sweep:
@@ -147,6 +177,7 @@ class FleetCoordinator:
             self._allocator.set_limit(user, self._limit_of(user))
 
     def _frames(self, updates: dict[str, ShareUpdate]) -> list[tuple[str, p.Shares]]:
+        self.num_frames += len(updates)
         return [self._frame(engine_id, update) for engine_id, update in updates.items()]
 
     def _frame(self, engine_id: str, update: ShareUpdate) -> tuple[str, p.Shares]:
