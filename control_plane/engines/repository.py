@@ -52,6 +52,11 @@ def count_homed_since(conn: Connection, cutoff: datetime) -> int:
     return int(conn.execute(query).scalar_one())
 
 
+def ids_homed_since(conn: Connection, cutoff: datetime) -> list[str]:
+    query = select(engines.c.engine_id).where(engines.c.connected, engines.c.home_seen_at >= cutoff)
+    return list(conn.execute(query).scalars())
+
+
 def update_engines(
     conn: Connection,
     rows: Sequence[dict[str, Any]],

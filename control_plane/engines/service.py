@@ -117,6 +117,12 @@ def count_live_engines(conn: Connection, *, timeout_s: float) -> int:
     return repo.count_homed_since(conn, database_now(conn) - timedelta(seconds=timeout_s))
 
 
+@service("read")
+def live_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
+    """Engine cores connected to any replica that heard them within ``within_s``."""
+    return repo.ids_homed_since(conn, database_now(conn) - timedelta(seconds=within_s))
+
+
 @service("write")
 def record_engines(
     conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None

@@ -15,7 +15,10 @@ Quiet start: a coordinator that takes over from another (a new leader replica,
 docs/replicas.md) knows nothing of the shares its predecessor gave out, which engines
 enforce until their lease ends. Until ``quiet_until`` it listens (demand, engines) and
 sends nothing, so every engine is on its safe shares, or on its predecessor's, never on
-a mix of both allocators' shares.
+a mix of both allocators' shares. It is also told the engines the fleet had
+(``await_engines``): they count in the fleet size at once, and it stays quiet until each
+has said its whole demand (or ``SEED_WAIT_S`` passed), since one it has not heard yet
+may be serving any user on its safe share.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ TRACKED_SWEEP_INTERVAL_S = 30.0
 # A successor's quiet start outlasts its predecessor's last lease by this much: the
 # delivery of the predecessor's last message (a relayed one waits for its batch).
 TAKEOVER_MARGIN_S = 1.0
+
+
+# How long a new coordinator waits for the whole demand of the engines the fleet had: an
+# engine whose replica stopped moves to the next after 3 x SERVER_SILENCE_S (10.5 s) and
+# says its whole demand after its snapshot; one still connected restates it every 5 s.
+SEED_WAIT_S = 15.0
 
 
 def quiet_until(predecessor_stopped_at: float, lease_s: float) -> float:
@@ -73,6 +82,10 @@ class FleetCoordinator:
         self._epochs = itertools.count(secrets.randbits(40))
         # engine id -> the epoch of its current membership
         self._epoch_of: dict[str, int] = {}
+        # Engines of the fleet not heard with their whole demand yet, and until when
+        # the coordinator waits for them.
+        self._awaited: set[str] = set()
+        self._awaited_until = -math.inf
 
     # ---- the push thread ------------------------------------------------------
 
@@ -102,6 +115,15 @@ class FleetCoordinator:
         with self._lock:
             self._retarget(self._tracked)
 
+    def await_engines(self, engine_ids: Iterable[str], *, wait_s: float = SEED_WAIT_S) -> None:
+        """The fleet had these engines: count them now, stay quiet until each said its
+        whole demand (at most ``wait_s``)."""
+        with self._lock:
+            for engine_id in engine_ids:
+                self._join(engine_id)
+                self._awaited.add(engine_id)
+            self._awaited_until = self._clock() + wait_s
+
     def heard(self, engine_id: str) -> None:
         with self._lock:
             self._join(engine_id)
@@ -114,6 +136,8 @@ class FleetCoordinator:
                     self._tracked.add(user)
                     self._allocator.set_limit(user, self._limit_of(user))
             self._allocator.set_demand(engine_id, demand.streams, full=demand.full)
+            if demand.full:
+                self._awaited.discard(engine_id)
             if self.quiet:
                 return []  # the first step after the quiet start sends full tables
             frames = self._frames(self._allocator.step())
@@ -133,7 +157,8 @@ class FleetCoordinator:
 
     @property
     def quiet(self) -> bool:
-        return self._clock() < self.quiet_until
+        now = self._clock()
+        return now < self.quiet_until or (bool(self._awaited) and now < self._awaited_until)
 
     def step(self) -> list[tuple[str, p.Shares]]:
         with self._lock:

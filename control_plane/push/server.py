@@ -189,7 +189,7 @@ class PushServer:
         # Fleet shares (docs/fleet.md); None: engines are only told the limits (or, with a
         # relay, this replica does not lead now).
         self.fleet = fleet
-        self._relay = relay
+        self.relay = relay
         self.replica_id = None if relay is None else relay.replica_id
         # With a relay: this replica's leadership now, and a coordinator for a new term
         # (given when its first shares may go out).
@@ -388,7 +388,7 @@ class PushServer:
                     self._lead()
                     if router in events:
                         self._drain(router)
-                    if self._relay is not None:
+                    if self.relay is not None:
                         self._take_relayed(router)
                     now = time.monotonic()
                     if now >= next_poll:
@@ -489,8 +489,8 @@ class PushServer:
             if self._key_uses is not None:
                 self._key_uses(message.used)
         elif isinstance(message, p.Demand | p.ShareAck):
-            if self.fleet is None and self._relay is not None:
-                self._relay.up(peer.engine_id, p.encode(message))  # to the leader
+            if self.fleet is None and self.relay is not None:
+                self.relay.up(peer.engine_id, p.encode(message))  # to the leader
             elif self.fleet is None:
                 self.drops.note("fleet message while fleet shares are off")
             elif isinstance(message, p.Demand):
@@ -521,8 +521,8 @@ class PushServer:
                 self.num_share_frames += 1
                 continue
             home = self._home_of.get(engine_id)
-            if self._relay is not None and home is not None and self._fleet_token is not None:
-                self._relay.down(home, self._fleet_token, engine_id, p.encode(message))
+            if self.relay is not None and home is not None and self._fleet_token is not None:
+                self.relay.down(home, self._fleet_token, engine_id, p.encode(message))
                 self.num_share_frames += 1
 
     # ---- one allocator for the fleet (replicas) ------------------------------
@@ -542,20 +542,26 @@ class PushServer:
         if term.token == self._fleet_token:
             return
         stopped_at = max(term.predecessor_ended_at, self._last_shares_at)
-        self.fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s))
+        fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s))
+        # Engines that may be enforcing its predecessor's shares, or safe shares of a
+        # fleet that counts them.
+        live: list[str] = self._db.run_now(engines.live_engine_ids, within_s=self._share_lease_s)
+        fleet.await_engines(live)
+        self.fleet = fleet
         self._fleet_token = term.token
         self._home_of.clear()
-        wait_s = max(0.0, self.fleet.quiet_until - time.monotonic())
         logger.info(
-            "replica %s allocates fleet shares (leader token %d); first shares in %.1fs",
+            "replica %s allocates fleet shares (leader token %d): first shares in %.1fs, "
+            "after the whole demand of %d engine(s) of the fleet",
             self.replica_id,
             term.token,
-            wait_s,
+            max(0.0, fleet.quiet_until - time.monotonic()),
+            len(live),
         )
 
     def _take_relayed(self, router: zmq.Socket) -> None:
-        assert self._relay is not None
-        for kind, arrived in self._relay.take():
+        assert self.relay is not None
+        for kind, arrived in self.relay.take():
             if kind == DOWN:
                 # From the leader: shares for engines connected here.
                 for engine_id, frame in arrived.batch.frames:
@@ -647,9 +653,9 @@ class PushServer:
 
     def _snapshot_frame(self, role: p.Role) -> tuple[int, bytes]:
         # The fleet size rides along: an engine's safe shares hold from its first request.
-        if role == p.API_ROLE or (self.fleet is None and self._relay is None):
+        if role == p.API_ROLE or (self.fleet is None and self.relay is None):
             num_engines = 1
-        elif self._relay is None:
+        elif self.relay is None:
             num_engines = self.fleet.num_engines if self.fleet is not None else 1
         else:  # engines of every replica
             num_engines = max(
@@ -736,8 +742,8 @@ class PushServer:
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
             self._send(router, identity, p.encode(p.Heartbeat(peer.sent_version)))
-        if self._relay is not None and self.fleet is None:
-            self._relay.live(
+        if self.relay is not None and self.fleet is None:
+            self.relay.live(
                 [
                     peer.engine_id
                     for peer in self.peers.values()
