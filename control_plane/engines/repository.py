@@ -22,6 +22,18 @@ def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(conn.execute(query).scalars())
 
 
+def homes_of(conn: Connection, ids: Sequence[str]) -> dict[str, str | None]:
+    """engine id -> its home replica, for the rows that exist (locked until the end of
+    the transaction, so a claim by another replica waits or is seen)."""
+    query = (
+        select(engines.c.engine_id, engines.c.home_replica)
+        .where(engines.c.engine_id.in_(ids))
+        .order_by(engines.c.engine_id)
+        .with_for_update()
+    )
+    return {row.engine_id: row.home_replica for row in conn.execute(query)}
+
+
 def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     if rows:
         conn.execute(insert(engines), list(rows))

@@ -126,20 +126,29 @@ def live_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
 @service("write")
 def record_engines(
     conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None
-) -> None:
+) -> set[str]:
     """Engine cores and API servers that are connected now, as last seen: one row per
     engine_id. The core owns the row's model, applied version and connected flag; its
     API server only its api_applied_version (and keeps the row from expiring). With
-    ``replica``, the cores are homed at that replica, heard now."""
+    ``replica``, the cores are homed at that replica, heard now; returns the cores
+    homed at another replica (it claimed them since: not written)."""
     now = datetime.now(UTC)
     # engine id -> role -> what was seen of it
     by_id: dict[str, dict[p.Role, EngineSeen]] = {}
     for e in seen:
         by_id.setdefault(e.engine_id, {})[e.role] = e
-    known = repo.engine_ids(conn, list(by_id))
+    if replica is None:
+        known = repo.engine_ids(conn, list(by_id))
+        moved: set[str] = set()
+    else:
+        homes = repo.homes_of(conn, list(by_id))
+        known = set(homes)
+        moved = {i for i, home in homes.items() if home not in (None, replica)}
     new_rows, core_rows, api_rows = [], [], []
     for engine_id, roles in by_id.items():
         core, api = roles.get(p.ENGINE_ROLE), roles.get(p.API_ROLE)
+        if engine_id in moved:
+            core = None
         if engine_id not in known:
             first = core or api
             assert first is not None
@@ -179,6 +188,7 @@ def record_engines(
     repo.insert_engines(conn, new_rows)
     repo.update_engines(conn, core_rows, home=replica, home_seen_at=home_seen_at)
     repo.update_api_versions(conn, api_rows, last_seen=now)
+    return {i for i in moved if p.ENGINE_ROLE in by_id[i]}
 
 
 @service("write")

@@ -76,6 +76,14 @@ class PushCollector(Collector):
             )
             rows.add_metric([], relay.num_rows_written)
             yield rows
+            transactions = CounterMetricFamily(
+                "output_rate_fleet_relay_transactions",
+                "Transactions of this replica's fleet relay (write: batches; read: takes)",
+                labels=["kind"],
+            )
+            transactions.add_metric(["write"], relay.num_write_transactions)
+            transactions.add_metric(["read"], relay.num_read_transactions)
+            yield transactions
             fenced = CounterMetricFamily(
                 "output_rate_fleet_relay_fenced",
                 "Share batches refused at write (no longer the leader) or not delivered "

@@ -583,7 +583,10 @@ class PushServer:
                 except p.ProtocolError as e:
                     self.drops.note("malformed relayed frame", str(e)[:200])
                     continue
-                if (engine_id, p.ENGINE_ROLE) not in self._owners:
+                if (engine_id, p.ENGINE_ROLE) in self._owners:
+                    if home != self.replica_id:
+                        continue  # older than what it says on its connection here
+                else:
                     self._home_of[engine_id] = home
                 if isinstance(message, p.Demand):
                     self._send_shares(router, fleet.on_demand(engine_id, message))
@@ -773,20 +776,31 @@ class PushServer:
         }
         self._dirty.clear()
         try:
-            self._db.run_now(
+            moved = self._db.run_now(
                 engines.record_engines, seen=list(seen.values()), replica=self.replica_id
             )
         except Exception:
             # One row the database refuses must not keep every other engine's row stale:
             # write them one by one and let go of the engines whose row fails.
+            moved = set()
             for engine in seen.values():
                 try:
-                    self._db.run_now(engines.record_engines, seen=[engine], replica=self.replica_id)
+                    moved_one: set[str] = self._db.run_now(
+                        engines.record_engines, seen=[engine], replica=self.replica_id
+                    )
+                    moved |= moved_one
                 except Exception as e:
                     self.drops.note("engine status row refused by the database", str(e)[:200])
                     owner = self._owners.get((engine.engine_id, engine.role))
                     if owner is not None:
                         self._forget(owner)
+        for engine_id in moved:
+            # Another replica claimed it since (this replica was paused, or cut off): what
+            # still arrives from it here is old. Its row is the other replica's to write.
+            self.drops.note("engine bound on another replica since", repr(engine_id))
+            owner = self._owners.get((engine_id, p.ENGINE_ROLE))
+            if owner is not None:
+                self._forget(owner)
 
     def _set_disconnected(self, engine_id: str, role: p.Role) -> None:
         self._db.run_now(

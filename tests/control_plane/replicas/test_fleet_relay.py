@@ -19,6 +19,7 @@ import httpx
 import pytest
 import zmq
 
+from control_plane.replicas import relay
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
 from output_rate_core import protocol as p
@@ -33,6 +34,7 @@ SPLIT = {name: LIMIT * 1000 * n // sum(STREAMS.values()) for name, n in STREAMS.
 WAIT_S = 30.0
 # Engines' leases end at one moment but for the spread of the message's delivery.
 LEASE_END_SPREAD_S = 1.0
+LOAD_PHASE_S = 5.0
 
 
 class Engine:
@@ -95,10 +97,10 @@ def readiness(served: Served) -> dict[str, object]:
     return httpx.get(f"{served.url}/readyz", timeout=5).json()
 
 
-def metric(served: Served, name: str) -> float:
+def metric(served: Served, name: str, labels: str = "") -> float:
     with served.client() as http:
         text = http.get("/metrics").text
-    found = re.search(rf"^{name}(?:_total)? (\S+)$", text, re.MULTILINE)
+    found = re.search(rf"^{name}(?:_total)?{re.escape(labels)} (\S+)$", text, re.MULTILINE)
     assert found is not None, name
     return float(found.group(1))
 
@@ -185,6 +187,61 @@ def test_one_allocator_splits_the_limit_over_engines_on_both_replicas(fleet: Fle
     fleet.until(lambda: sum_of(fleet.samples[-1]) == LIMIT * 1000)
     assert not fleet.over(start)
     fleet.engines[0].streams = {"u": STREAMS["a1"]}
+    fleet.until(fleet.split_reached)
+
+
+def relay_load(fleet: Fleet) -> tuple[float, float]:
+    """(rows written, write transactions) to the relay by both replicas so far."""
+    rows = txs = 0.0
+    for replica in (fleet.a, fleet.b):
+        rows += metric(replica, "output_rate_fleet_relay_rows_written")
+        txs += metric(replica, "output_rate_fleet_relay_transactions", '{kind="write"}')
+    return rows, txs
+
+
+def test_the_relay_write_load_is_bounded_per_replica(fleet: Fleet) -> None:
+    for engine in fleet.engines:
+        engine.streams = {"u": STREAMS[engine.name]}
+    fleet.until(fleet.split_reached)
+    num_engines = len(fleet.engines)
+    # (phase, rows, transactions per engine per second)
+    measured: list[tuple[str, float, float]] = []
+    for phase in ("steady", "churn"):
+        rows, txs = relay_load(fleet)
+        started = time.monotonic()
+        start = len(fleet.samples)
+        flip = 0
+
+        def churn(phase: str = phase, started: float = started) -> bool:
+            nonlocal flip
+            if phase == "churn":
+                # Every engine's streams change every round: a report every 250 ms each.
+                flip += 1
+                for engine in fleet.engines:
+                    engine.streams = {"u": STREAMS[engine.name] + flip % 2}
+            return time.monotonic() - started >= LOAD_PHASE_S
+
+        fleet.until(churn, timeout_s=LOAD_PHASE_S + 10)
+        elapsed = time.monotonic() - started
+        more_rows, more_txs = relay_load(fleet)
+        measured.append(
+            (
+                phase,
+                (more_rows - rows) / elapsed / num_engines,
+                (more_txs - txs) / elapsed / num_engines,
+            )
+        )
+        assert not fleet.over(start)
+    print()
+    for phase, rows_per_s, txs_per_s in measured:
+        print(
+            f"relay writes, {phase}: {rows_per_s:.2f} rows and {txs_per_s:.2f} transactions "
+            f"per engine per second ({num_engines} engines on 2 replicas)"
+        )
+    # A replica writes one batch per BATCH_S at most, whatever its engines send.
+    for _, rows_per_s, txs_per_s in measured:
+        assert txs_per_s * num_engines <= 2 * (1 / relay.BATCH_S) * 1.1
+        assert rows_per_s <= 2 * txs_per_s
     fleet.until(fleet.split_reached)
 
 
