@@ -173,6 +173,8 @@ class FleetRelay:
         self._add(("", None), engine_id, frame)
 
     def live(self, engine_ids: list[str]) -> None:
+        if not engine_ids:
+            return  # the leader takes no news as no news: silence ends engines there
         with self._lock:
             self._live = engine_ids
         self._due.set()
