@@ -19,6 +19,7 @@ import httpx
 import pytest
 import zmq
 
+from control_plane.fleet.allocator import split
 from control_plane.replicas import relay
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
@@ -30,7 +31,7 @@ LIMIT = 40
 # engine name -> its streams of the one fleet-limited user: 3:1 on one replica, 2:2 on the
 # other, so the split (15, 5, 10, 10 tokens/s) is unlike the safe share (10 each).
 STREAMS = {"a1": 3, "a2": 1, "b1": 2, "b2": 2}
-SPLIT = {name: LIMIT * 1000 * n // sum(STREAMS.values()) for name, n in STREAMS.items()}
+SPLIT = split(LIMIT * 1000, STREAMS)
 WAIT_S = 30.0
 # Engines' leases end at one moment but for the spread of the message's delivery.
 LEASE_END_SPREAD_S = 1.0
@@ -179,15 +180,22 @@ def test_one_allocator_splits_the_limit_over_engines_on_both_replicas(fleet: Fle
     assert metric(follower, "output_rate_fleet_share_frames") == 0
     assert metric(leader, "output_rate_fleet_share_frames") > 0
     assert metric(follower, "output_rate_fleet_relay_rows_written") > 0
-    # A change of demand on one replica moves shares on the other, within the limit at
-    # every sample.
-    fleet.engines[0].streams = {"u": 1}  # a1: 3 -> 1; now 1:1:2:2
-    start = len(fleet.samples)
-    fleet.until(lambda: fleet.shares()["a1"] == 6_666 or fleet.shares()["a1"] == 6_667)
-    fleet.until(lambda: sum_of(fleet.samples[-1]) == LIMIT * 1000)
-    assert not fleet.over(start)
-    fleet.engines[0].streams = {"u": STREAMS["a1"]}
-    fleet.until(fleet.split_reached)
+    # A change of demand on either replica moves shares on both, within the limit at
+    # every sample: on an engine of the leader, and on one of the follower (its frames go
+    # through the relay both ways).
+    home = {"a1": fleet.a, "b1": fleet.b}
+    for name, streams in (("a1", 1), ("b1", 4)):
+        moved = {**STREAMS, name: streams}
+        engine = next(e for e in fleet.engines if e.name == name)
+        engine.streams = {"u": streams}
+        start = len(fleet.samples)
+        fleet.until(lambda moved=moved: fleet.shares() == split(LIMIT * 1000, moved))
+        took_s = fleet.samples[-1][0] - fleet.samples[start][0]
+        where = "the leader" if home[name] is leader else "the follower"
+        print(f"\nstreams of {name}, on {where}, changed: the new split held in {took_s:.3f} s")
+        assert not fleet.over(start)
+        engine.streams = {"u": STREAMS[name]}
+        fleet.until(fleet.split_reached)
 
 
 def relay_load(fleet: Fleet) -> tuple[float, float]:
