@@ -251,7 +251,11 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         )
         fleet = CurrentFleet(lambda: push.fleet)
     db.on_commit.append(push.notify)
-    history = UsageRecorder(db, retention_days=settings.usage_retention_days)
+    history = UsageRecorder(
+        db,
+        retention_days=settings.usage_retention_days,
+        max_users_per_minute=settings.usage_history_max_users_per_minute,
+    )
     book.on_report.append(history.add)
     app = create_app(
         settings,
@@ -259,7 +263,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         db=db,
         usage_source=book,
         fleet=fleet,
-        collectors=[PushCollector(push), UsageCollector(book)],
+        collectors=[PushCollector(push), UsageCollector(book, history)],
         lease=lease,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).

@@ -24,6 +24,7 @@ RECOMMENDED_ADMIN_TOKEN_LEN = 16
 MIN_TIMEOUT_HEARTBEATS = 1.5
 DEFAULT_ENGINE_TIMEOUT_S = 5.0
 DEFAULT_ENGINE_RETENTION_S = 24 * 3600.0
+DEFAULT_HISTORY_MAX_USERS_PER_MINUTE = 5_000
 
 
 def variable(field: str) -> str:
@@ -70,6 +71,20 @@ class Settings(BaseSettings):
     replica_id: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$"
     )
+    # Users (rows) the usage history keeps per minute; a report's users beyond are left
+    # out and counted. At most 100,000 (a row is ~260 bytes: ~26 MB of history a minute).
+    usage_history_max_users_per_minute: int = Field(
+        default=DEFAULT_HISTORY_MAX_USERS_PER_MINUTE, ge=1, le=100_000
+    )
+    # HTTP connections (control_plane/http_server.py, docs/deploy.md): a request head must
+    # be complete this long after the connection opened (or after its first byte on a
+    # kept-alive connection); a body, or the reading of a response, may pause this long;
+    # an idle kept-alive connection is closed after this long (uvicorn's, whole seconds).
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    http_idle_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    http_keep_alive_timeout_s: int = Field(default=5, ge=1, le=300)
+    # Connections served at once; unset: derived from the open-file limit at start.
+    http_max_connections: int | None = Field(default=None, ge=1)
 
     @field_validator("admin_token")
     @classmethod

@@ -39,12 +39,17 @@ import zmq
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from output_rate_core import protocol as p
-from output_rate_core.ids import is_user_id
+from output_rate_core.ids import MAX_USER_ID_LEN, is_user_id
 from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
+# Usage reports go at most this often, half the rate the control plane takes (its clock
+# sees them bunched by the network): a report that comes sooner (an engine that goes
+# idle after every short request reports each time) is held, merged with the next one,
+# and sent by the IO thread once due.
+USAGE_MIN_SPACING_S = 2 / p.MAX_USAGE_REPORTS_PER_S
 # The whole demand map is restated this often (a lost delta heals by then).
 FULL_DEMAND_INTERVAL_S = 5.0
 
@@ -54,6 +59,50 @@ def _reportable(counts: dict[str, int]) -> dict[str, int]:
         return counts
     valid = ((user, n) for user, n in counts.items() if is_user_id(user))
     return dict(itertools.islice(valid, p.MAX_USAGE_USERS))
+
+
+# A usage frame's room for user entries: the frame limit less its other fields (an engine
+# id of at most 256 characters, the interval, the part numbers, field names).
+_USAGE_ENTRY_ROOM = p.MAX_ENGINE_MESSAGE_BYTES - 4096
+# What a user costs a usage frame at most beyond its id's UTF-8 bytes, in each map it is
+# in: a msgpack string header (at most 3 bytes for an id) and a count (at most 9 bytes).
+_ENTRY_OVERHEAD = 12
+# Reports of at most this many entries (users, summed over both maps) fit one frame
+# whatever their ids are, so the usual report costs no size estimate.
+_ALWAYS_FITS = _USAGE_ENTRY_ROOM // (4 * MAX_USER_ID_LEN + _ENTRY_OVERHEAD)
+
+
+def usage_parts(
+    engine_id: str, interval_s: float, granted: dict[str, int], throttled: dict[str, int]
+) -> list[p.Usage]:
+    """One interval's report as frames the control plane accepts (each at most
+    MAX_ENGINE_MESSAGE_BYTES): itself, or parts of it split by users (a user's two
+    counts in one part), numbered in the order they are to be sent."""
+    whole = p.Usage(engine_id, interval_s, granted, throttled)
+    # Encoding 40,000 entries to measure them takes ~1 ms (the IO thread encodes again).
+    if len(granted) + len(throttled) <= _ALWAYS_FITS or len(p.encode(whole)) <= _USAGE_ENTRY_ROOM:
+        return [whole]
+    users = granted.keys() | throttled.keys()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for user in users:
+        cost = (len(user.encode()) + _ENTRY_OVERHEAD) * ((user in granted) + (user in throttled))
+        if size + cost > _USAGE_ENTRY_ROOM:
+            groups.append([])
+            size = 0
+        groups[-1].append(user)
+        size += cost
+    return [
+        p.Usage(
+            engine_id,
+            interval_s,
+            {u: granted[u] for u in group if u in granted},
+            {u: throttled[u] for u in group if u in throttled},
+            part,
+            len(groups),
+        )
+        for part, group in enumerate(groups)
+    ]
 
 
 @dataclass(frozen=True)
@@ -135,6 +184,11 @@ class PushClient:
         # not be buried under more snapshots); back to resync_retry_s once one lands.
         self._resync_wait_s = resync_retry_s
         self._last_usage_at = time.monotonic()
+        # A report not sent yet (interval, granted, throttled), and when the last one went;
+        # the engine thread and the IO thread both take it, under the lock.
+        self._usage_lock = threading.Lock()
+        self._held_usage: tuple[float, dict[str, int], dict[str, int]] | None = None
+        self._last_usage_sent_at = float("-inf")
         # user -> streams, as the control plane last heard them from this engine
         self.demand_sent: dict[str, int] = {}
         self._full_demand_due = True
@@ -227,10 +281,28 @@ class PushClient:
     def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
         """Hand over this interval's counters (the client keeps the dicts)."""
         now = time.monotonic()
-        interval = min(max(now - self._last_usage_at, 1e-3), 3600.0)
+        interval = max(now - self._last_usage_at, p.MIN_USAGE_INTERVAL_S)
         self._last_usage_at = now
         if not granted and not throttled:
             return
+        with self._usage_lock:
+            held = self._held_usage
+            if held is not None:  # the earlier interval's counts join this one's
+                interval += held[0]
+                for user, n in held[1].items():
+                    granted[user] = granted.get(user, 0) + n
+                for user, n in held[2].items():
+                    throttled[user] = throttled.get(user, 0) + n
+            self._held_usage = (interval, granted, throttled)
+        self._send_held_usage(now)
+
+    def _send_held_usage(self, now: float) -> None:
+        """Send the held report if one is due (engine or IO thread)."""
+        with self._usage_lock:
+            if self._held_usage is None or now - self._last_usage_sent_at < USAGE_MIN_SPACING_S:
+                return
+            (interval, granted, throttled), self._held_usage = self._held_usage, None
+            self._last_usage_sent_at = now
         # What the server would refuse whole: names that are no user id (a request's
         # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
         granted, throttled = _reportable(granted), _reportable(throttled)
@@ -240,7 +312,10 @@ class PushClient:
             sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
             sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
         )
-        self._send(p.Usage(self.engine_id, min(interval, 3600.0), granted, throttled))
+        # Thousands of long ids can exceed a frame: parts, never a refused frame.
+        interval = min(interval, p.MAX_USAGE_INTERVAL_S)
+        for part in usage_parts(self.engine_id, interval, granted, throttled):
+            self._send(part)
 
     def report_demand(self, streams: dict[str, int]) -> None:
         """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
@@ -464,6 +539,7 @@ class PushClient:
             if self._wake_read in events:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 4096)
+            self._send_held_usage(time.monotonic())
             self._flush(sock)
             now = time.monotonic()
             if now >= next_heartbeat:

@@ -34,6 +34,18 @@ MAX_USAGE_USERS = 20_000
 # report claiming more for its interval is refused whole.
 MAX_ENGINE_TOKENS_PER_S = 1_000_000
 MAX_ENGINE_STEPS_PER_S = 1_000_000
+# The interval a usage report covers, as the engine measured it (NaN and infinities are
+# refused: they fail both bounds). Engines report about once a second.
+MIN_USAGE_INTERVAL_S = 1e-3
+MAX_USAGE_INTERVAL_S = 3600.0
+# The control plane takes at most this many usage reports a second from one engine
+# (this many at once), by its own clock; engines send at most half as many.
+MAX_USAGE_REPORTS_PER_S = 4.0
+MAX_USAGE_REPORT_BURST = 8
+# A report too large for one engine frame (thousands of long multi-byte user ids) goes as
+# up to this many parts, split by users; the worst case (MAX_USAGE_USERS ids of 256
+# four-byte characters in both maps) takes 10 parts of MAX_ENGINE_MESSAGE_BYTES.
+MAX_USAGE_PARTS = 32
 HEARTBEAT_INTERVAL_S = 1.0
 # The engine treats the server as gone after this long without any frame.
 SERVER_SILENCE_S = 3.5
@@ -194,10 +206,15 @@ class Heartbeat(msgspec.Struct, frozen=True):
 class Usage(msgspec.Struct, frozen=True):
     engine_id: EngineId
     # Seconds the counts cover (measured by the engine).
-    interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    interval_s: Annotated[float, msgspec.Meta(ge=MIN_USAGE_INTERVAL_S, le=MAX_USAGE_INTERVAL_S)]
     # user -> output tokens granted / request-steps refused a token, in the interval
     granted: dict[UserId, Count]
     throttled: dict[UserId, Count]
+    # One interval's report in `num_parts` frames, sent in order, each naming other
+    # users: the control plane takes the interval when its last part arrives, and
+    # refuses it whole (every bound counts the parts together) or takes it whole.
+    part: Annotated[int, msgspec.Meta(ge=0, lt=MAX_USAGE_PARTS)] = 0
+    num_parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_USAGE_PARTS)] = 1
 
 
 class Resync(msgspec.Struct, frozen=True):
@@ -319,6 +336,8 @@ def check_usage_bounds(report: Usage) -> None:
     one engine can produce in its interval."""
     if len(report.granted) > MAX_USAGE_USERS or len(report.throttled) > MAX_USAGE_USERS:
         raise ProtocolError(f"usage report names too many users (over {MAX_USAGE_USERS} in a map)")
+    if report.part >= report.num_parts:
+        raise ProtocolError(f"usage report part {report.part} of {report.num_parts}")
     # +1: an engine's first tokens may land in a very short first interval.
     if sum(report.granted.values()) > MAX_ENGINE_TOKENS_PER_S * report.interval_s + 1:
         raise ProtocolError("usage report grants more tokens than one engine can produce")

@@ -47,10 +47,22 @@ class PushCollector(Collector):
         yield dropped
         refused = CounterMetricFamily(
             "output_rate_push_snapshots_refused",
-            "HELLO/RESYNC left unanswered: that connection got a snapshot within the last second",
+            "HELLO/RESYNC left unanswered: that connection got a snapshot within the last "
+            "second, or has not acknowledged the last one",
         )
         refused.add_metric([], self._server.num_snapshots_refused)
         yield refused
+        sent = CounterMetricFamily(
+            "output_rate_push_snapshots_sent", "Snapshots queued for engine connections"
+        )
+        sent.add_metric([], self._server.num_snapshots_sent)
+        yield sent
+        unsent = CounterMetricFamily(
+            "output_rate_push_frames_unsent",
+            "Frames not queued because the connection's queue was full (it does not read)",
+        )
+        unsent.add_metric([], self._server.num_frames_unsent)
+        yield unsent
         allocating = GaugeMetricFamily(
             "output_rate_fleet_allocating",
             "1 while this replica runs the fleet allocator (the leader, or the only replica)",

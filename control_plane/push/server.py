@@ -18,7 +18,9 @@ to one engine id and role by its first HELLO (or, after a server restart, its fi
 HEARTBEAT/RESYNC). The bind is refused, and logged, when that (id, role) is held by
 another live connection, or when the connection's CURVE key is listed with other
 engine ids. ACK, HEARTBEAT and USAGE count only from a bound connection under its
-own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S.
+own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S, and
+only once it acknowledged the last one (or SNAPSHOT_UNREAD_RESEND_S passed); at most
+PEER_SEND_HWM frames wait for one connection (docs/live-push.md, "Slow readers").
 
 Roles (docs/control-plane.md, "API keys"): an engine core (role "engine") gets the
 limits; its API server (role "api", the same engine id) gets the API keys only: a
@@ -67,6 +69,13 @@ STATUS_FLUSH_INTERVAL_S = 0.2
 # At most one snapshot per connection this often, whatever asks for it (HELLO, RESYNC,
 # a pruned change log); below the engines' retry period.
 SNAPSHOT_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
+# A peer gets its next snapshot only once it acknowledged the last one, or after this
+# long (a snapshot lost on the way): a peer that does not read cannot make the server
+# queue snapshot after snapshot for it.
+SNAPSHOT_UNREAD_RESEND_S = 30.0
+# Frames queued for one peer before ZMQ drops further frames to it (the peer then sees
+# a gap and asks for a snapshot): a reading engine drains deltas as fast as they come.
+PEER_SEND_HWM = 64
 # Engine messages handled before the loop publishes and beats again.
 MAX_MESSAGES_PER_DRAIN = 1000
 # Connections bound to an engine at once; more are refused (each holds a snapshot's
@@ -135,7 +144,17 @@ class Peer:
     applied_version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     last_snapshot_at: float = float("-inf")
+    # The version of a snapshot sent and not acknowledged yet (None: none in flight).
+    unread_snapshot: int | None = None
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+def _snapshot_due(peer: Peer, now: float) -> bool:
+    """Whether a peer that asks for a snapshot gets one now (at most one in flight)."""
+    elapsed = now - peer.last_snapshot_at
+    if peer.unread_snapshot is not None:
+        return elapsed >= SNAPSHOT_UNREAD_RESEND_S
+    return elapsed >= SNAPSHOT_MIN_INTERVAL_S
 
 
 class _AllowedKeys:
@@ -217,6 +236,8 @@ class PushServer:
         self.drops = DropLog()
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
+        self.num_snapshots_sent = 0
+        self.num_frames_unsent = 0
         self._next_sweep = 0.0
         self._context = zmq.Context()
         self._authenticator: Any = None
@@ -318,6 +339,9 @@ class PushServer:
             server_secret_key=self._secret_key,
             max_message_bytes=p.MAX_ENGINE_MESSAGE_BYTES,
         )
+        router.setsockopt(zmq.SNDHWM, PEER_SEND_HWM)
+        # A full queue raises Again instead of dropping in silence (see _send).
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.bind(self.endpoint)
         if self.endpoint.endswith(":0"):
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -474,7 +498,7 @@ class PushServer:
             # engine that missed it asks again later.
             if isinstance(message, p.Hello) and message.model:
                 peer.model = message.model
-            if now - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S:
+            if _snapshot_due(peer, now):
                 self._send_snapshot(router, identity, peer)
             else:
                 self.num_snapshots_refused += 1
@@ -482,6 +506,9 @@ class PushServer:
             # An engine's heartbeat restates what it applied (a lost ack is harmless).
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
+            unread = peer.unread_snapshot
+            if isinstance(message, p.Ack) and unread is not None and message.version >= unread:
+                peer.unread_snapshot = None
         elif isinstance(message, p.KeyUse):
             if peer.role != p.API_ROLE:
                 self.drops.note("key use from an engine core", repr(peer.engine_id))
@@ -685,9 +712,12 @@ class PushServer:
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
         version, frame = self._snapshot_frame(peer.role)
-        self._send(router, identity, frame)
+        queued = self._send(router, identity, frame)
         peer.sent_version = version
         peer.last_snapshot_at = time.monotonic()
+        # A snapshot that could not even be queued is not waiting to be read.
+        peer.unread_snapshot = version if queued else None
+        self.num_snapshots_sent += queued
 
     def _publish(self, router: zmq.Socket) -> None:
         if self.fleet is not None:
@@ -722,19 +752,25 @@ class PushServer:
                 while peer.sent_version + 1 in frames:
                     self._send(router, identity, frames[peer.sent_version + 1])
                     peer.sent_version += 1
-            elif (
-                peer.sent_version < newest
-                and time.monotonic() - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S
-            ):
+            elif peer.sent_version < newest and _snapshot_due(peer, time.monotonic()):
                 # Its next version is not in the log (pruned, or unsendable): start over
                 # (within the snapshot rate limit; the next poll tries again).
                 self._send_snapshot(router, identity, peer)
 
-    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> None:
-        """The single send path (the fault-injection seam of the tests)."""
-        # Again: a peer that does not read; its heartbeat shows the gap and it resyncs.
-        with contextlib.suppress(zmq.Again):
+    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> bool:
+        """The single send path (the fault-injection seam of the tests): whether the frame
+        was queued. Not when the peer's queue is full (it does not read: its heartbeat
+        will show the gap and it resyncs) or the peer is gone."""
+        try:
             router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_frames_unsent += 1
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def _beat(self, router: zmq.Socket, now: float) -> None:
         for identity, peer in list(self.peers.items()):

@@ -4,26 +4,37 @@ push server hands every report to, and what readers of live usage see of it.
 Each engine reports, about once a second, the output tokens it granted and the
 request-steps it refused per user, with the interval the counts cover. A
 user's rate is summed over engines; each engine's share is its counts over the
-time its reports cover inside the window.
+time its reports cover inside the window, and never more than one engine's bound
+(MAX_ENGINE_TOKENS_PER_S), whatever intervals the engine claimed.
 
 Bounds (docs/live-push.md, "Trust model"): only bound connections report, under their
 own engine id; each report is checked by the protocol (at most MAX_USAGE_USERS users
 per map, no more tokens or steps than one engine makes in its interval, user ids by the
-REST rules); the book keeps at most MAX_REPORTS_PER_ENGINE reports per engine and
-MAX_TRACKED_USERS distinct users (a report's new users beyond that are left out and
-counted), so GET /usage and /metrics stay bounded whatever engines send.
+REST rules). Here, per engine and by the control plane's own clock (an engine chooses
+the intervals it claims, not when its reports arrive): at most MAX_REPORTS_PER_S
+reports a second (MAX_REPORT_BURST at once), and at most MAX_ENGINE_TOKENS_PER_S
+tokens and MAX_ENGINE_STEPS_PER_S refused steps per second plus USAGE_BURST_S seconds'
+worth. A report over a bound is refused whole and counted by reason. The parts of a
+report split by the engine (`Usage.part` of `num_parts`) are taken together when the
+last arrives, and every bound counts them as one report. The book keeps at most
+MAX_REPORTS_PER_ENGINE reports per engine and MAX_TRACKED_USERS distinct users (a
+report's new users beyond that are left out and counted), so GET /usage and /metrics
+stay bounded whatever engines send.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from output_rate_core import protocol as p
+
+logger = logging.getLogger("control_plane")
 
 WINDOW_S = 10.0
 SHORT_WINDOW_S = 1.0
@@ -32,6 +43,24 @@ SHORT_REACH_S = SHORT_WINDOW_S + p.HEARTBEAT_INTERVAL_S
 # Engines report about once a second: twice that in the window is plenty.
 MAX_REPORTS_PER_ENGINE = int(2 * WINDOW_S / p.HEARTBEAT_INTERVAL_S)
 MAX_TRACKED_USERS = 50_000
+# Per engine: a real one reports about once a second (and when it goes idle, at most
+# every 0.5 s: engine_ext/push_client.py holds reports that come sooner).
+MAX_REPORTS_PER_S = p.MAX_USAGE_REPORTS_PER_S
+MAX_REPORT_BURST = p.MAX_USAGE_REPORT_BURST
+# Per engine, on top of what MAX_ENGINE_TOKENS_PER_S / MAX_ENGINE_STEPS_PER_S allow for
+# the time since its reports began: a first report, or one that arrives early.
+USAGE_BURST_S = 1.0
+# Parts of a split report arrive back to back; an interval still missing parts after
+# this long is dropped (counted under REFUSED_PARTS).
+PART_TIMEOUT_S = WINDOW_S
+
+# Why a report was refused (the `reason` of output_rate_usage_refused_total).
+REFUSED_REPORTS = "reports"  # over MAX_REPORTS_PER_S
+REFUSED_TOKENS = "tokens"  # over MAX_ENGINE_TOKENS_PER_S, for its interval or the clock's
+REFUSED_STEPS = "steps"  # the same for refused request-steps
+REFUSED_USERS = "users"  # its parts together name over MAX_USAGE_USERS users in a map
+REFUSED_PARTS = "parts"  # a part out of order, or an interval whose parts did not all come
+REFUSAL_REASONS = (REFUSED_REPORTS, REFUSED_TOKENS, REFUSED_STEPS, REFUSED_USERS, REFUSED_PARTS)
 
 
 @dataclass(frozen=True)
@@ -72,51 +101,201 @@ class NoUsage:
         return {}
 
 
+class Refusals:
+    """What was refused, counted by reason; any thread (read by /metrics). The first
+    refusal of each reason is logged (a flood of refusals is not a flood of lines)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, reason: str, num: int = 1, *, engine_id: str = "") -> None:
+        with self._lock:
+            first = reason not in self._counts
+            self._counts[reason] = self._counts.get(reason, 0) + num
+        if first:
+            logger.warning(
+                "usage refused (%s) from engine %r; further ones are only counted in "
+                "output_rate_usage_refused_total",
+                reason,
+                engine_id,
+            )
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass
+class _Pace:
+    """GCRA on the control plane's clock: at most `rate` units a second, `burst_s`
+    seconds' worth at once. `due` is when everything taken so far would be paid off."""
+
+    rate: float
+    burst_s: float
+    due: float = float("-inf")
+
+    def fits(self, now: float, num: float) -> bool:
+        return max(self.due, now) + num / self.rate - now <= self.burst_s
+
+    def take(self, now: float, num: float) -> None:
+        self.due = max(self.due, now) + num / self.rate
+
+
+@dataclass
+class _EngineBounds:
+    """One engine's paces, and the parts of a split report that are still arriving."""
+
+    reports: _Pace = field(
+        default_factory=lambda: _Pace(MAX_REPORTS_PER_S, MAX_REPORT_BURST / MAX_REPORTS_PER_S)
+    )
+    tokens: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_TOKENS_PER_S, USAGE_BURST_S))
+    steps: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S))
+    parts: list[p.Usage] = field(default_factory=list)
+    parts_since: float = 0.0
+
+    def is_fresh(self, now: float) -> bool:
+        """Nothing owed and no parts waiting: the same as a new engine's bounds."""
+        return not self.parts and max(self.reports.due, self.tokens.due, self.steps.due) < now
+
+
+@dataclass(frozen=True)
+class _Interval:
+    """One accepted report (all its parts), as the book keeps it."""
+
+    received: float
+    interval_s: float
+    parts: tuple[p.Usage, ...]
+    # Tokens granted over every part (what the rate cap divides by).
+    tokens: int
+
+
 class UsageBook:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        # engine id -> (time received, report), oldest first
-        self._reports: dict[str, deque[tuple[float, p.Usage]]] = {}
+        # engine id -> its accepted reports (received, interval, parts), oldest first
+        self._reports: dict[str, deque[_Interval]] = {}
         # engine id -> when its last report arrived (kept past the window; /metrics)
         self._last_report_at: dict[str, float] = {}
-        # user -> number of stored reports naming it
+        # engine id -> its paces and waiting parts (dropped once fresh again)
+        self._bounds: dict[str, _EngineBounds] = {}
+        self._next_sweep = 0.0
+        # user -> number of stored parts naming it
         self._users: dict[str, int] = {}
         self.num_users_left_out = 0
-        # Also called with every report (control_plane/usage/history.py keeps the history).
+        self.refused = Refusals()
+        # Also called with every part of every accepted report
+        # (control_plane/usage/history.py keeps the history).
         self.on_report: list[Callable[[p.Usage], None]] = []
 
-    def add(self, report: p.Usage, *, engine_id: str | None = None) -> None:
-        """Store a report under `engine_id` (the connection's bound id; default: the
-        report's own, for callers that checked it)."""
+    def add(self, report: p.Usage, *, engine_id: str | None = None) -> bool:
+        """Store a report (or one part of it) under `engine_id` (the connection's bound id;
+        default: the report's own, for callers that checked it). False: refused, or a
+        part of a report that is not complete yet."""
+        engine_id = engine_id or report.engine_id
         now = self._clock()
         with self._lock:
             self._expire(now)
-            self._last_report_at[engine_id or report.engine_id] = now
-            report = self._admit(report)
-            reports = self._reports.setdefault(engine_id or report.engine_id, deque())
-            reports.append((now, report))
-            self._count(report, +1)
+            self._last_report_at[engine_id] = now
+            bounds = self._bounds.setdefault(engine_id, _EngineBounds())
+            parts = self._assemble(engine_id, bounds, report, now)
+            if parts is None:
+                return False
+            tokens = sum(sum(part.granted.values()) for part in parts)
+            reason = self._over_bounds(bounds, parts, tokens, now)
+            if reason is not None:
+                self.refused.add(reason, engine_id=engine_id)
+                return False
+            parts = self._admit(parts)
+            reports = self._reports.setdefault(engine_id, deque())
+            reports.append(_Interval(now, parts[0].interval_s, parts, tokens))
+            for part in parts:
+                self._count(part, +1)
             while len(reports) > MAX_REPORTS_PER_ENGINE:
-                self._count(reports.popleft()[1], -1)
+                self._uncount(reports.popleft())
         for hook in self.on_report:
-            hook(report)
+            for part in parts:
+                hook(part)
+        return True
 
-    def _admit(self, report: p.Usage) -> p.Usage:
-        """The report without the new users that would take the book over its bound."""
+    def _assemble(
+        self, engine_id: str, bounds: _EngineBounds, report: p.Usage, now: float
+    ) -> tuple[p.Usage, ...] | None:
+        """The whole report once its last part is here (None: not yet, or refused)."""
+        waiting = bounds.parts
+        if report.part == 0:
+            if waiting:  # the previous split report never completed
+                self.refused.add(REFUSED_PARTS, engine_id=engine_id)
+            if report.num_parts == 1:
+                bounds.parts = []
+                return (report,)
+            bounds.parts, bounds.parts_since = [report], now
+            return None
+        first = waiting[0] if waiting else None
+        if (
+            first is None
+            or report.part != len(waiting)
+            or (report.num_parts, report.interval_s) != (first.num_parts, first.interval_s)
+        ):
+            self.refused.add(REFUSED_PARTS, engine_id=engine_id)
+            bounds.parts = []
+            return None
+        waiting.append(report)
+        # Checked as they come, so waiting parts never hold more than one report's users.
+        if max(self._num_users(waiting)) > p.MAX_USAGE_USERS:
+            self.refused.add(REFUSED_USERS, engine_id=engine_id)
+            bounds.parts = []
+            return None
+        if len(waiting) < report.num_parts:
+            return None
+        bounds.parts = []
+        return tuple(waiting)
+
+    @staticmethod
+    def _num_users(parts: list[p.Usage] | tuple[p.Usage, ...]) -> tuple[int, int]:
+        return sum(len(r.granted) for r in parts), sum(len(r.throttled) for r in parts)
+
+    def _over_bounds(
+        self, bounds: _EngineBounds, parts: tuple[p.Usage, ...], tokens: int, now: float
+    ) -> str | None:
+        """Why the report breaks a bound (None: it does not; its paces are taken)."""
+        if not bounds.reports.fits(now, 1):
+            return REFUSED_REPORTS
+        if max(self._num_users(parts)) > p.MAX_USAGE_USERS:
+            return REFUSED_USERS
+        steps = sum(sum(part.throttled.values()) for part in parts)
+        # The protocol checks each part against its interval; here all parts together.
+        interval_s = parts[0].interval_s
+        if tokens > p.MAX_ENGINE_TOKENS_PER_S * interval_s + 1 or not bounds.tokens.fits(
+            now, tokens
+        ):
+            return REFUSED_TOKENS
+        if steps > p.MAX_ENGINE_STEPS_PER_S * interval_s + 1 or not bounds.steps.fits(now, steps):
+            return REFUSED_STEPS
+        bounds.reports.take(now, 1)
+        bounds.tokens.take(now, tokens)
+        bounds.steps.take(now, steps)
+        return None
+
+    def _admit(self, parts: tuple[p.Usage, ...]) -> tuple[p.Usage, ...]:
+        """The parts without the new users that would take the book over its bound."""
         users = self._users
         room = MAX_TRACKED_USERS - len(users)
-        new = {u for u in (*report.granted, *report.throttled) if u not in users}
+        new = {u for r in parts for u in (*r.granted, *r.throttled) if u not in users}
         if len(new) <= room:
-            return report
+            return parts
         keep = set(sorted(new)[:room])
         self.num_users_left_out += len(new) - len(keep)
 
         def kept(counts: dict[str, int]) -> dict[str, int]:
             return {u: n for u, n in counts.items() if u in users or u in keep}
 
-        return p.Usage(
-            report.engine_id, report.interval_s, kept(report.granted), kept(report.throttled)
+        return tuple(
+            p.Usage(
+                r.engine_id, r.interval_s, kept(r.granted), kept(r.throttled), r.part, r.num_parts
+            )
+            for r in parts
         )
 
     def _count(self, report: p.Usage, step: int) -> None:
@@ -128,12 +307,27 @@ class UsageBook:
             else:
                 users.pop(user, None)
 
+    def _uncount(self, interval: _Interval) -> None:
+        for part in interval.parts:
+            self._count(part, -1)
+
     def _expire(self, now: float) -> None:
         for engine_id, reports in list(self._reports.items()):
-            while reports and reports[0][0] < now - WINDOW_S:
-                self._count(reports.popleft()[1], -1)
+            while reports and reports[0].received < now - WINDOW_S:
+                self._uncount(reports.popleft())
             if not reports:
                 del self._reports[engine_id]
+        if now < self._next_sweep:
+            return
+        # Engines come and go (each connection may claim a new id): forget their bounds
+        # once they hold nothing an engine could not start again with.
+        self._next_sweep = now + WINDOW_S
+        for engine_id, bounds in list(self._bounds.items()):
+            if bounds.parts and bounds.parts_since < now - PART_TIMEOUT_S:
+                self.refused.add(REFUSED_PARTS, engine_id=engine_id)
+                bounds.parts = []
+            if bounds.is_fresh(now):
+                del self._bounds[engine_id]
 
     def report_ages(self) -> dict[str, float]:
         """Seconds since each engine's last usage report."""
@@ -149,17 +343,18 @@ class UsageBook:
         granted_1: dict[str, float] = {}
         granted_10: dict[str, float] = {}
         steps: dict[str, tuple[int, int]] = {}
-        for reports in per_engine:
-            self._add_rates(reports, now - WINDOW_S, granted_10)
+        for intervals in per_engine:
+            self._add_rates(intervals, now - WINDOW_S, granted_10)
             # The short window: the engine's latest report, if it is recent.
-            self._add_rates(reports[-1:], now - SHORT_REACH_S, granted_1)
-            for _, report in reports:
-                for user, n in report.granted.items():
-                    g, t = steps.get(user, (0, 0))
-                    steps[user] = (g + n, t)
-                for user, n in report.throttled.items():
-                    g, t = steps.get(user, (0, 0))
-                    steps[user] = (g, t + n)
+            self._add_rates(intervals[-1:], now - SHORT_REACH_S, granted_1)
+            for interval in intervals:
+                for report in interval.parts:
+                    for user, n in report.granted.items():
+                        g, t = steps.get(user, (0, 0))
+                        steps[user] = (g + n, t)
+                    for user, n in report.throttled.items():
+                        g, t = steps.get(user, (0, 0))
+                        steps[user] = (g, t + n)
         return [
             UserUsage(
                 user=user,
@@ -178,27 +373,32 @@ class UsageBook:
                 return None
             latest = [reports[-1] for reports in self._reports.values() if reports]
         rate: dict[str, float] = {}
-        for report in latest:
-            self._add_rates([report], now - SHORT_REACH_S, rate, only=user)
+        for interval in latest:
+            self._add_rates([interval], now - SHORT_REACH_S, rate, only=user)
         return rate.get(user, 0.0)
 
     @staticmethod
     def _add_rates(
-        reports: list[tuple[float, p.Usage]],
+        intervals: list[_Interval],
         since: float,
         into: dict[str, float],
         *,
         only: str | None = None,
     ) -> None:
-        """Add each user's (only `only`'s) granted tokens over the time the reports
-        received since `since` cover."""
-        recent = [r for received, r in reports if received >= since]
-        covered = sum(r.interval_s for r in recent)
-        if not covered:
+        """Add each user's (only `only`'s) granted tokens over the time one engine's
+        reports received since `since` cover: at least the time one engine needs for
+        their tokens, so no rate exceeds MAX_ENGINE_TOKENS_PER_S per engine."""
+        recent = [i for i in intervals if i.received >= since]
+        if not recent:
             return
-        for report in recent:
-            granted = report.granted
-            if only is not None:
-                granted = {only: granted[only]} if only in granted else {}
-            for user, n in granted.items():
-                into[user] = into.get(user, 0.0) + n / covered
+        covered = max(
+            sum(i.interval_s for i in recent),
+            sum(i.tokens for i in recent) / p.MAX_ENGINE_TOKENS_PER_S,
+        )
+        for interval in recent:
+            for report in interval.parts:
+                granted = report.granted
+                if only is not None:
+                    granted = {only: granted[only]} if only in granted else {}
+                for user, n in granted.items():
+                    into[user] = into.get(user, 0.0) + n / covered

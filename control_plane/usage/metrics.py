@@ -1,4 +1,5 @@
-"""Prometheus view of live usage: per-user rates and the users the book left out."""
+"""Prometheus view of live usage: per-user rates, the users the book left out, and the
+reports (and history users) refused by the usage bounds."""
 
 from __future__ import annotations
 
@@ -7,14 +8,33 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from control_plane.usage import book as usage_book
+from control_plane.usage import history as usage_history
 from control_plane.usage.book import UsageBook
+from control_plane.usage.history import UsageRecorder
 
 
 class UsageCollector(Collector):
-    def __init__(self, book: UsageBook) -> None:
+    def __init__(self, book: UsageBook, history: UsageRecorder | None = None) -> None:
         self._book = book
+        self._history = history
 
     def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "output_rate_usage_refused",
+            "Usage refused by its bounds (docs/metrics.md): whole reports of one engine "
+            "(reasons reports, tokens, steps, users, parts), or users left out of the "
+            "usage history (history_engine_users, history_users)",
+            labels=["reason"],
+        )
+        counts = self._book.refused.counts()
+        reasons = list(usage_book.REFUSAL_REASONS)
+        if self._history is not None:
+            counts.update(self._history.refused.counts())
+            reasons += usage_history.REFUSAL_REASONS
+        for reason in reasons:
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
         left_out = CounterMetricFamily(
             "output_rate_usage_users_left_out",
             "Users of usage reports left out: /usage already tracks its maximum of users",

@@ -12,7 +12,7 @@ import zmq
 
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient
+from engine_ext.push_client import USAGE_MIN_SPACING_S, PushClient, usage_parts
 from output_rate_core import protocol as p
 
 WAIT_S = 15.0
@@ -439,3 +439,82 @@ def test_shares_fall_back_to_the_safe_share_when_the_lease_ends(
     server.send(identity, p.Shares(3, 1, 300, 2, True, {"a": 35_000}))
     engine.until(lambda: engine.limiter.milli_rate_of("a") == 35_000)
     engine.until(lambda: engine.limiter.milli_rate_of("a") == 20_000, timeout_s=3)
+
+
+# A user id as long as allowed, of four-byte UTF-8 characters (U+1D11E).
+def _long_id(i: int) -> str:
+    return f"{i:06d}" + "\U0001d11e" * (256 - 6)
+
+
+def test_the_largest_report_goes_in_parts_that_each_fit_a_frame() -> None:
+    users = [_long_id(i) for i in range(p.MAX_USAGE_USERS)]
+    granted = {u: 2**40 + i for i, u in enumerate(users)}  # 9-byte counts, the largest
+    throttled = {u: 2**41 for u in users}
+    parts = usage_parts("e" * 256, 3600.0, granted, throttled)
+    frames = [p.encode(part) for part in parts]
+    # Before: one ~41 MB frame, which the control plane refuses (and drops the connection).
+    assert 1 < len(parts) <= p.MAX_USAGE_PARTS
+    assert max(map(len, frames)) <= p.MAX_ENGINE_MESSAGE_BYTES
+    assert [(part.part, part.num_parts) for part in parts] == [
+        (i, len(parts)) for i in range(len(parts))
+    ]
+    assert {u: n for part in parts for u, n in part.granted.items()} == granted
+    assert {u: n for part in parts for u, n in part.throttled.items()} == throttled
+    # Each user's two counts travel together.
+    assert all(part.granted.keys() == part.throttled.keys() for part in parts)
+    assert sum(len(part.granted) for part in parts) == len(granted)
+
+
+def test_a_report_that_fits_one_frame_goes_whole() -> None:
+    granted = {f"user-{i}": 5 for i in range(20_000)}  # 40,000 entries of short ids
+    (whole,) = usage_parts("e1", 1.0, granted, dict(granted))
+    assert (whole.part, whole.num_parts, whole.granted) == (0, 1, granted)
+
+
+def test_an_oversized_report_reaches_the_server_in_parts(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    connect(server, engine)
+    granted = {_long_id(i): i + 1 for i in range(4500)}  # ~4.7 MB
+    engine.client.report_usage(granted=granted, throttled={_long_id(0): 7})
+    received: list[p.Usage] = []
+    deadline = time.monotonic() + WAIT_S
+    while not received or len(received) < received[0].num_parts:
+        assert time.monotonic() < deadline, f"{len(received)} parts"
+        if not server.sock.poll(20):
+            continue
+        _, frame = server.sock.recv_multipart()
+        if p.peek_type(frame) == p.USAGE:
+            # What the control plane's socket and decoder take from an engine.
+            usage = p.decode(frame, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
+            assert isinstance(usage, p.Usage)
+            received.append(usage)
+    assert [u.part for u in received] == list(range(received[0].num_parts))
+    assert len(received) > 1 and len({u.interval_s for u in received}) == 1
+    assert {k: n for u in received for k, n in u.granted.items()} == granted
+    assert {k: n for u in received for k, n in u.throttled.items()} == {_long_id(0): 7}
+
+
+def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    # An engine that goes idle after every short request reports each time: before, as
+    # often as that (the control plane takes at most 4 a second from one engine).
+    connect(server, engine)
+    began = time.monotonic()
+    engine.client.report_usage(granted={"a": 1}, throttled={})
+    time.sleep(0.01)
+    engine.client.report_usage(granted={"a": 2, "b": 5}, throttled={"b": 1})
+    time.sleep(0.01)
+    engine.client.report_usage(granted={"a": 4}, throttled={})
+    _, first = server.recv(p.Usage)
+    _, second = server.recv(p.Usage)
+    arrived = time.monotonic() - began
+    assert isinstance(first, p.Usage) and isinstance(second, p.Usage)
+    assert (first.granted, first.throttled) == ({"a": 1}, {})
+    # The two later intervals in one report, sent by the IO thread once due.
+    assert (second.granted, second.throttled) == ({"a": 6, "b": 5}, {"b": 1})
+    assert arrived >= USAGE_MIN_SPACING_S
+    assert second.interval_s >= 0.02
+    with pytest.raises(AssertionError):
+        server.recv(p.Usage, timeout_s=1.0)  # nothing else: no report was sent twice

@@ -40,6 +40,7 @@ MESSAGES: list[p.Message] = [
     p.Heartbeat(13, "engine-1", "tiny"),
     p.Heartbeat(13, "engine-1", "tiny", role="api"),
     p.Usage("engine-1", 1.02, {"a": 40, "b": 3}, {"a": 12}),
+    p.Usage("engine-1", 1.02, {"c": 1}, {}, part=2, num_parts=3),
     p.Resync("engine-1", 11),
     p.Resync("engine-1", 11, role="api"),
 ]
@@ -110,7 +111,46 @@ BAD_FRAMES = {
     "usage zero interval": _frame(
         p.USAGE, {"engine_id": "e", "interval_s": 0.0, "granted": {}, "throttled": {}}
     ),
+    **{
+        f"usage {name} parts": _frame(
+            p.USAGE,
+            {
+                "engine_id": "e",
+                "interval_s": 1.0,
+                "granted": {"u": 1},
+                "throttled": {},
+                "part": part,
+                "num_parts": num_parts,
+            },
+        )
+        for name, part, num_parts in [
+            ("part past the last", 3, 3),
+            ("negative", -1, 2),
+            ("no", 0, 0),
+            ("too many", 0, p.MAX_USAGE_PARTS + 1),
+        ]
+    },
 }
+
+
+# Before: only interval_s > 0 was checked, so 1e-300 s made 1e300 tokens/s (and a
+# float overflow +Inf) in /usage and /metrics.
+@pytest.mark.parametrize(
+    "interval_s",
+    [1e-300, 5e-324, 0.0009, -1.0, float("nan"), float("inf"), float("-inf"), 3600.001, 1e308],
+)
+def test_usage_intervals_outside_the_bounds_are_refused(interval_s: float) -> None:
+    frame = _frame(
+        p.USAGE, {"engine_id": "e", "interval_s": interval_s, "granted": {"u": 1}, "throttled": {}}
+    )
+    with pytest.raises(p.ProtocolError, match="interval_s"):
+        p.decode(frame)
+
+
+def test_usage_intervals_at_the_bounds_are_taken() -> None:
+    for interval_s in (p.MIN_USAGE_INTERVAL_S, p.MAX_USAGE_INTERVAL_S):
+        report = p.Usage("e", interval_s, {"u": 1}, {})
+        assert p.decode(p.encode(report)) == report
 
 
 @pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=list(BAD_FRAMES))

@@ -136,16 +136,17 @@ class FaultyServer(PushServer):
         self.held: list[tuple[bytes, bytes]] = []
         self.num_faults = 0
 
-    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> None:
+    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> bool:
         if p.peek_type(frame) == p.DELTA and self.rng.random() < 0.3:
             self.num_faults += 1
             if self.rng.random() < 0.5:
-                return  # dropped
+                return True  # dropped on the way
             self.held.append((identity, frame))  # delivered later, out of order
-            return
-        super()._send(router, identity, frame)
+            return True
+        queued = super()._send(router, identity, frame)
         while self.held and self.rng.random() < 0.5:
             super()._send(router, *self.held.pop())
+        return queued
 
 
 def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.usage.book import UsageBook
+from control_plane.usage.book import (
+    MAX_REPORT_BURST,
+    MAX_REPORTS_PER_S,
+    PART_TIMEOUT_S,
+    USAGE_BURST_S,
+    UsageBook,
+)
 from output_rate_core import protocol as p
 
 
@@ -51,3 +57,108 @@ def test_one_users_rate_is_what_totals_says_of_it() -> None:
             user: totals.get(user) for user in "abcdz"
         }
     assert book.rate_1s("a") is None  # every report has left the window
+
+
+R = p.MAX_ENGINE_TOKENS_PER_S
+
+
+def refused(book: UsageBook) -> dict[str, int]:
+    return {reason: n for reason, n in book.refused.counts().items() if n}
+
+
+def test_reports_beyond_an_engines_pace_are_refused_and_counted() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    taken = [book.add(p.Usage("e1", 1.0, {"a": 1}, {})) for _ in range(20)]
+    assert taken == [True] * MAX_REPORT_BURST + [False] * (20 - MAX_REPORT_BURST)
+    assert book.add(p.Usage("e2", 1.0, {"a": 1}, {}))  # each engine has its own pace
+    clock.now += 1.0
+    taken = [book.add(p.Usage("e1", 1.0, {"a": 1}, {})) for _ in range(10)]
+    assert sum(taken) == MAX_REPORTS_PER_S
+    assert refused(book) == {"reports": 20 - MAX_REPORT_BURST + 10 - MAX_REPORTS_PER_S}
+
+
+def test_tokens_and_steps_are_bounded_per_second_of_the_control_planes_clock() -> None:
+    # Before: each report was checked only against the interval it claims (3600 s here),
+    # so 12 reports in 3 s granted 7.2e6 tokens from one engine.
+    clock = FakeClock()
+    book = UsageBook(clock)
+    start = clock.now
+    results: dict[str, list[bool]] = {"e1": [], "e2": []}
+    for _ in range(12):
+        results["e1"].append(book.add(p.Usage("e1", 3600.0, {"a": 600_000}, {})))
+        results["e2"].append(book.add(p.Usage("e2", 3600.0, {"b": 1}, {"b": 700_000})))
+        clock.now += 0.25
+    elapsed = clock.now - start
+    tokens, steps = sum(results["e1"]), sum(results["e2"])
+    assert 0 < tokens * 600_000 <= R * (elapsed + USAGE_BURST_S)
+    assert 0 < steps * 700_000 <= p.MAX_ENGINE_STEPS_PER_S * (elapsed + USAGE_BURST_S)
+    assert refused(book) == {"tokens": 12 - tokens, "steps": 12 - steps}
+    # An engine well within its bound, reporting once a second, is never refused.
+    for _ in range(30):
+        clock.now += 1.0
+        assert book.add(p.Usage("e3", 1.0, {"a": int(0.9 * R)}, {"a": int(0.9 * R)}))
+
+
+def test_rates_never_exceed_one_engines_bound_whatever_interval_is_claimed() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    for _ in range(4):  # 1 ms claimed, as many tokens as the protocol lets 1 ms have
+        assert book.add(p.Usage("e1", p.MIN_USAGE_INTERVAL_S, {"a": 1000, "b": 1}, {}))
+        clock.now += 0.25
+    (a, b) = book.totals()
+    assert a.tokens_per_s_1s <= R and a.tokens_per_s_10s <= R
+    assert a.tokens_per_s_1s + b.tokens_per_s_1s == pytest.approx(R)
+    assert book.rate_1s("a") == a.tokens_per_s_1s
+
+
+def test_the_parts_of_a_report_are_one_interval() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    seen: list[p.Usage] = []
+    book.on_report.append(seen.append)
+    parts = [
+        p.Usage("e1", 2.0, {"a": 10}, {"a": 5}, 0, 3),
+        p.Usage("e1", 2.0, {"b": 20}, {}, 1, 3),
+        p.Usage("e1", 2.0, {}, {"c": 5}, 2, 3),
+    ]
+    assert [book.add(part) for part in parts] == [False, False, True]
+    assert seen == parts
+    totals = {u.user: u for u in book.totals()}
+    # Over the interval once: 10 tokens in 2 s (not in the 6 s of three intervals).
+    assert totals["a"].tokens_per_s_10s == pytest.approx(5.0)
+    assert totals["b"].tokens_per_s_1s == pytest.approx(10.0) == book.rate_1s("b")
+    assert totals["c"].throttled_fraction == 1.0
+    assert refused(book) == {}
+
+
+def test_split_reports_out_of_order_or_incomplete_are_refused_whole() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    book.add(p.Usage("e1", 1.0, {"a": 1}, {}, 0, 2))
+    book.add(p.Usage("e1", 1.0, {"b": 1}, {}, 0, 1))  # a whole report: the split one is lost
+    book.add(p.Usage("e1", 1.0, {"c": 1}, {}, 1, 2))  # no first part
+    book.add(p.Usage("e1", 1.0, {"d": 1}, {}, 0, 3))
+    book.add(p.Usage("e1", 1.0, {"e": 1}, {}, 2, 3))  # part 1 missing
+    book.add(p.Usage("e1", 1.0, {"f": 1}, {}, 0, 2))
+    book.add(p.Usage("e1", 2.0, {"g": 1}, {}, 1, 2))  # another interval's part
+    book.add(p.Usage("e1", 1.0, {"h": 1}, {}, 0, 2))  # its last part never comes
+    assert [u.user for u in book.totals()] == ["b"]
+    assert refused(book) == {"parts": 4}
+    clock.now += 2 * PART_TIMEOUT_S
+    assert book.totals() == []
+    assert refused(book) == {"parts": 5}
+
+
+def test_bounds_count_all_parts_of_a_report_together() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    half = p.MAX_USAGE_USERS // 2 + 1
+    for part in range(2):  # each part is fine, together they name too many users
+        users = {f"u{part}-{i}": 1 for i in range(half)}
+        assert not book.add(p.Usage("e1", 1.0, users, {}, part, 2))
+    # Each part within the 1 s interval's bound, together over it: refused whole.
+    assert not book.add(p.Usage("e1", 1.0, {"a": R // 2 + 10}, {}, 0, 2))
+    assert not book.add(p.Usage("e1", 1.0, {"b": R // 2 + 10}, {}, 1, 2))
+    assert book.totals() == []
+    assert refused(book) == {"users": 1, "tokens": 1}

@@ -13,7 +13,11 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from control_plane.settings import Settings
-from control_plane.usage.history import UsageRecorder
+from control_plane.usage.history import (
+    FLUSH_CHUNK_ROWS,
+    MAX_NEW_USERS_PER_ENGINE_PER_MINUTE,
+    UsageRecorder,
+)
 from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.control_plane.served import serve
@@ -95,6 +99,9 @@ def test_rows_older_than_the_retention_are_pruned(client: TestClient) -> None:
 
 
 def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
+    # The endpoint's window ends at the real current minute: keep the test inside one.
+    if 60 - time.time() % 60 < 10:
+        time.sleep(60 - time.time() % 60 + 0.1)
     client.put("/limits/alice", json={"output_tokens_per_second": 50})
     now = time.time()
     minute = int(now) // 60 * 60
@@ -203,3 +210,88 @@ def _zmq_endpoint(log: Path) -> str:
                 return line.split("push:", 1)[1].strip().split(",")[0]
         time.sleep(0.1)
     raise AssertionError(f"no push endpoint in {log}")
+
+
+def refused(rec: UsageRecorder) -> dict[str, int]:
+    return {reason: n for reason, n in rec.refused.counts().items() if n}
+
+
+def fresh_users(prefix: str, n: int) -> dict[str, int]:
+    return {f"{prefix}-{i:05d}": 1 for i in range(n)}
+
+
+def test_one_engine_brings_a_bounded_number_of_new_users_a_minute(client: TestClient) -> None:
+    # Before: every user of every report became a row (40 reports of 20,000 fresh users
+    # wrote 100,000 rows in 7 s).
+    clock = FakeClock(T0 + 1)
+    rec = recorder(client, clock)
+    users = fresh_users("u", MAX_NEW_USERS_PER_ENGINE_PER_MINUTE + 500)
+    rec.add(usage(users))
+    rec.add(usage(fresh_users("v", 300)))  # the same engine, the same minute: none
+    rec.add(p.Usage("e2", 1.0, fresh_users("w", 300), {}))  # another engine: its own
+    rec.flush()
+    first = [r for r in rows(client) if r[1] == int(T0)]
+    assert len(first) == MAX_NEW_USERS_PER_ENGINE_PER_MINUTE + 300
+    assert refused(rec) == {"history_engine_users": 500 + 300}
+    # Users with a row the minute before are not new: a steady population larger than
+    # the bound keeps its history.
+    clock.now = T0 + 61
+    rec.add(usage(users))
+    rec.flush()
+    second = [r for r in rows(client) if r[1] == int(T0) + 60]
+    assert len(second) == MAX_NEW_USERS_PER_ENGINE_PER_MINUTE + 500
+    # A user with a row this minute always counts, whatever the bounds.
+    rec.add(usage({"u-00000": 5}))
+    rec.flush()
+    assert ("u-00000", int(T0) + 60, 6, 0, None) in rows(client)
+
+
+def test_the_history_keeps_at_most_the_configured_users_a_minute(client: TestClient) -> None:
+    db = client.app.state.control_plane.db  # type: ignore[attr-defined]
+    clock = FakeClock(T0 + 1)
+    rec = UsageRecorder(db, retention_days=7, max_users_per_minute=250, clock=clock)
+    for engine in range(3):
+        rec.add(p.Usage(f"e{engine}", 1.0, fresh_users(f"e{engine}", 100), {"x": 1}))
+    rec.flush()
+    assert len(rows(client)) == 250
+    assert refused(rec) == {"history_users": 51}  # 300 users and "x", 250 kept
+    clock.now = T0 + 61
+    rec.add(p.Usage("e0", 1.0, fresh_users("e0", 100), {}))
+    rec.flush()
+    assert len([r for r in rows(client) if r[1] == int(T0) + 60]) == 100
+
+
+def test_a_large_flush_is_written_in_small_transactions(client: TestClient) -> None:
+    from sqlalchemy import event
+
+    db = client.app.state.control_plane.db  # type: ignore[attr-defined]
+    # What each transaction wrote into usage_minutes (read at the driver seam).
+    per_transaction = [0]
+
+    def before_execute(conn, cursor, statement, parameters, context, executemany) -> None:
+        if "usage_minutes" in statement and statement.lstrip().upper().startswith("INSERT"):
+            per_transaction[-1] += len(parameters) if executemany else 1
+
+    def commit(conn) -> None:
+        per_transaction.append(0)
+
+    event.listen(db.engine, "before_cursor_execute", before_execute)
+    event.listen(db.engine, "commit", commit)
+    clock = FakeClock(T0 + 1)
+    rec = UsageRecorder(db, retention_days=7, max_users_per_minute=5000, clock=clock)
+    for engine in range(3):
+        rec.add(p.Usage(f"e{engine}", 1.0, fresh_users(f"e{engine}", 1000), {}))
+    rec.flush()
+    event.remove(db.engine, "before_cursor_execute", before_execute)
+    event.remove(db.engine, "commit", commit)
+    written = [n for n in per_transaction if n]
+    assert sum(written) == 3000 == len(rows(client))
+    assert max(written) <= FLUSH_CHUNK_ROWS and len(written) == 3000 // FLUSH_CHUNK_ROWS
+
+
+def test_history_bound_setting_is_validated() -> None:
+    assert Settings().usage_history_max_users_per_minute == 5000
+    assert Settings(usage_history_max_users_per_minute=20_000).usage_history_max_users_per_minute
+    for bad in (0, -5, 100_001, "many", 2.5):
+        with pytest.raises(ValidationError, match="usage_history_max_users_per_minute"):
+            Settings(usage_history_max_users_per_minute=bad)  # type: ignore[arg-type]
