@@ -250,6 +250,8 @@ def test_the_relay_write_load_is_bounded_per_replica(fleet: Fleet) -> None:
     for _, rows_per_s, txs_per_s in measured:
         assert txs_per_s * num_engines <= 2 * (1 / relay.BATCH_S) * 1.1
         assert rows_per_s <= 2 * txs_per_s
+    for engine in fleet.engines:
+        engine.streams = {"u": STREAMS[engine.name]}
     fleet.until(fleet.split_reached)
 
 
