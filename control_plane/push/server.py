@@ -574,6 +574,11 @@ class PushServer:
         # fleet that counts them.
         live: list[str] = self._db.run_now(engines.live_engine_ids, within_s=self._share_lease_s)
         fleet.await_engines(live)
+        # The limits now, not at the next read of the change log.
+        fleet.refresh(
+            lambda: self._db.run_now(limits.load_snapshot),
+            lambda version: self._db.run_now(limits.load_changes_since, version),
+        )
         self.fleet = fleet
         self._fleet_token = term.token
         self._home_of.clear()

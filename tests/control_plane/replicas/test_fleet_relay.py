@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 import pytest
@@ -106,6 +107,10 @@ def metric(served: Served, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
+def reached(fleet: Fleet, target: dict[str, int]) -> bool:
+    return fleet.shares() == target
+
+
 def sum_of(sample: tuple[float, dict[str, int | None]]) -> int:
     return sum(share or 0 for share in sample[1].values())
 
@@ -185,11 +190,11 @@ def test_one_allocator_splits_the_limit_over_engines_on_both_replicas(fleet: Fle
     # through the relay both ways).
     home = {"a1": fleet.a, "b1": fleet.b}
     for name, streams in (("a1", 1), ("b1", 4)):
-        moved = {**STREAMS, name: streams}
+        target = split(LIMIT * 1000, {**STREAMS, name: streams})
         engine = next(e for e in fleet.engines if e.name == name)
         engine.streams = {"u": streams}
         start = len(fleet.samples)
-        fleet.until(lambda moved=moved: fleet.shares() == split(LIMIT * 1000, moved))
+        fleet.until(partial(reached, fleet, target))
         took_s = fleet.samples[-1][0] - fleet.samples[start][0]
         where = "the leader" if home[name] is leader else "the follower"
         print(f"\nstreams of {name}, on {where}, changed: the new split held in {took_s:.3f} s")
