@@ -231,8 +231,9 @@ class FleetRelay:
                     next_prune = started + PRUNE_INTERVAL_S
                     self._db.run_now(prune_rows, keep_s=KEEP_S)
             except Exception as e:
-                # The database is away: frames wait in the outbox (the push thread's
-                # engines restate their demand meanwhile), reads are retried.
+                # The database is away: the batch being written is lost (engines restate
+                # their whole demand every 5 s; the leader renews every lease / 3; a gap
+                # in shares makes an engine ask for a full table), reads are retried.
                 logger.warning("fleet relay: %s", e)
                 self._stop.wait(0.5)
             self._stop.wait(max(0.0, started + BATCH_S - time.monotonic()))
