@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,6 +66,9 @@ class Fleet:
     a: Served
     b: Served
     engines: list[Engine]
+    # The database and the folder the replicas run in (a test starts a third).
+    url: str
+    workdir: Path
     # Every sample of the four engines' shares taken by `until`, with when (monotonic)
     samples: list[tuple[float, dict[str, int | None]]] = field(default_factory=list)
 
@@ -133,7 +137,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for engine in engines:
             engine.client.start()
             stack.callback(engine.client.close)
-        made = Fleet(a, b, engines)
+        made = Fleet(a, b, engines, url, tmp)
         # Every engine holds a full table of one allocator, told the fleet is 4.
         made.until(
             lambda: all(e.epoch is not None and e.client.table.num_engines == 4 for e in engines)
@@ -141,12 +145,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield made
 
 
+def listed(replica: Served) -> dict[str, bool]:
+    """GET /engines on that replica: engine id -> connected."""
+    with replica.client() as http:
+        return {e["engine_id"]: e["connected"] for e in http.get("/engines").json()["items"]}
+
+
 def test_engine_ids_are_bound_on_one_replica_and_listed_connected_on_both(fleet: Fleet) -> None:
     # GET /engines on either replica: every engine, each connected.
     for replica in (fleet.a, fleet.b):
-        with replica.client() as http:
-            items = http.get("/engines").json()["items"]
-        assert {e["engine_id"]: e["connected"] for e in items} == dict.fromkeys(STREAMS, True)
+        assert listed(replica) == dict.fromkeys(STREAMS, True)
+    # A third replica starting marks none of the others' engines disconnected, and lists
+    # them all connected itself.
+    with serve(fleet.url, fleet.workdir, env={"OUTPUT_RATE_REPLICA_ID": "replica-c"}) as c:
+        assert listed(c) == dict.fromkeys(STREAMS, True)
+        assert listed(fleet.a) == dict.fromkeys(STREAMS, True)
+        assert metric(c, "output_rate_fleet_allocating") == 0
     # An engine id live on replica a cannot be claimed on b: no snapshot, counted.
     before = metric(fleet.b, "output_rate_push_binds_refused_elsewhere")
     context = zmq.Context()
