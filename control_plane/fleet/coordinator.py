@@ -40,8 +40,6 @@ TRACKED_SWEEP_INTERVAL_S = 30.0
 # A successor's quiet start outlasts its predecessor's last lease by this much: the
 # delivery of the predecessor's last message (a relayed one waits for its batch).
 TAKEOVER_MARGIN_S = 1.0
-
-
 # How long a new coordinator waits for the whole demand of the engines the fleet had: an
 # engine whose replica stopped moves to the next after 3 x SERVER_SILENCE_S (10.5 s) and
 # says its whole demand after its snapshot; one still connected restates it every 5 s.
@@ -69,8 +67,6 @@ class FleetCoordinator:
     ) -> None:
         self._clock = clock
         self.quiet_until = quiet_until
-        # Shares frames this coordinator returned to be sent.
-        self.num_frames = 0
         self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
         self._lock = threading.Lock()
         self._model = LimitModel()
@@ -144,7 +140,6 @@ class FleetCoordinator:
             if demand.full:
                 # After a snapshot or a gap the engine asks for everything it holds.
                 frames.append(self._frame(engine_id, self._allocator.full_update(engine_id)))
-                self.num_frames += 1
             return frames
 
     def on_ack(self, engine_id: str, ack: p.ShareAck) -> bool:
@@ -202,7 +197,6 @@ class FleetCoordinator:
             self._allocator.set_limit(user, self._limit_of(user))
 
     def _frames(self, updates: dict[str, ShareUpdate]) -> list[tuple[str, p.Shares]]:
-        self.num_frames += len(updates)
         return [self._frame(engine_id, update) for engine_id, update in updates.items()]
 
     def _frame(self, engine_id: str, update: ShareUpdate) -> tuple[str, p.Shares]:
