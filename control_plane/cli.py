@@ -34,10 +34,28 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
+# PostgreSQL advisory lock key held while migrating: replicas starting at once migrate
+# one after the other (the later ones find the schema at head and do nothing).
+MIGRATION_LOCK_KEY = 0x6F75747075745F72  # "output_r"
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
     from alembic import command
+    from sqlalchemy import create_engine, text
 
-    command.upgrade(alembic_config(database_url), revision)
+    if make_url(database_url).get_backend_name() != "postgresql":
+        command.upgrade(alembic_config(database_url), revision)
+        return
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as lock:
+            lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            try:
+                command.upgrade(alembic_config(database_url), revision)
+            finally:
+                lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+    finally:
+        engine.dispose()
 
 
 def downgrade(database_url: str, revision: str) -> None:

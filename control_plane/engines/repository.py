@@ -34,16 +34,37 @@ def homes_of(conn: Connection, ids: Sequence[str]) -> dict[str, str | None]:
     return {row.engine_id: row.home_replica for row in conn.execute(query)}
 
 
+def applied_engine_ids(conn: Connection) -> set[str]:
+    """Engines that applied a version (an engine core, or an API server)."""
+    query = select(engines.c.engine_id).where(
+        (engines.c.applied_version > 0) | engines.c.api_applied_version.is_not(None)
+    )
+    return set(conn.execute(query).scalars())
+
+
+def delete_never_applied_before(conn: Connection, cutoff: datetime) -> int:
+    """Rows of engines that never applied a version, seen last before ``cutoff``."""
+    result = conn.execute(
+        delete(engines).where(
+            engines.c.last_seen < cutoff,
+            engines.c.applied_version == 0,
+            engines.c.api_applied_version.is_(None),
+            engines.c.connected.is_(False),
+        )
+    )
+    return int(result.rowcount or 0)
+
+
 def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     if rows:
         conn.execute(insert(engines), list(rows))
 
 
 def home_of(conn: Connection, engine_id: str) -> Any:
-    """The engine's home replica, when it last heard the core, and whether it is connected
-    (the row locked until the end of the transaction)."""
+    """The engine's home replica and when it last heard the core (the row locked until
+    the end of the transaction)."""
     query = (
-        select(engines.c.home_replica, engines.c.home_seen_at, engines.c.connected)
+        select(engines.c.home_replica, engines.c.home_seen_at)
         .where(engines.c.engine_id == engine_id)
         .with_for_update()
     )
@@ -54,7 +75,7 @@ def set_home(conn: Connection, engine_id: str, replica: str, seen_at: datetime) 
     conn.execute(
         update(engines)
         .where(engines.c.engine_id == engine_id)
-        .values(home_replica=replica, home_seen_at=seen_at, connected=True)
+        .values(home_replica=replica, home_seen_at=seen_at)
     )
 
 
@@ -132,9 +153,10 @@ def clear_api_versions(conn: Connection, ids: Sequence[str] | None = None) -> No
 def set_engines_disconnected(
     conn: Connection, ids: Sequence[str] | None = None, *, home: str | None = None
 ) -> None:
-    """Mark the given engines (all of them for None) disconnected; with ``home``, only
-    those homed at that replica (or nowhere)."""
-    statement = update(engines).values(connected=False)
+    """Mark the given engines (all of them for None) disconnected, let go by their home
+    (another replica may bind them at once); with ``home``, only those homed at that
+    replica (or nowhere)."""
+    statement = update(engines).values(connected=False, home_seen_at=None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
     if home is not None:

@@ -32,6 +32,11 @@ class EngineSeen:
     role: p.Role = p.ENGINE_ROLE
 
 
+# A row of an engine that never applied a version (it connected and never acknowledged
+# its snapshot) goes this long after it was last seen, not after the full retention.
+NEVER_APPLIED_RETENTION_S = 60.0
+
+
 @service("read")
 def list_engines(
     conn: Connection,
@@ -64,9 +69,19 @@ def list_engines(
 
 
 @service("write")
-def forget_engines(conn: Connection, *, retention_s: float) -> int:
-    """Delete the rows of engines not seen for `retention_s`; how many went."""
-    return repo.delete_engines_seen_before(conn, datetime.now(UTC) - timedelta(seconds=retention_s))
+def forget_engines(
+    conn: Connection, *, retention_s: float, never_applied_s: float = NEVER_APPLIED_RETENTION_S
+) -> int:
+    """Delete the rows of engines not seen for `retention_s`, and of those that never
+    applied a version not seen for `never_applied_s`; how many went."""
+    now = datetime.now(UTC)
+    num = repo.delete_engines_seen_before(conn, now - timedelta(seconds=retention_s))
+    return num + repo.delete_never_applied_before(conn, now - timedelta(seconds=never_applied_s))
+
+
+@service("read")
+def applied_engine_ids(conn: Connection) -> set[str]:
+    return repo.applied_engine_ids(conn)
 
 
 @service("write")
@@ -79,29 +94,15 @@ def delete_engine(conn: Connection, *, engine_id: str) -> None:
 @service("write")
 def claim_engine(conn: Connection, *, engine_id: str, replica: str, timeout_s: float) -> bool:
     """Bind an engine core to this replica fleet-wide: False when another replica holds
-    it (connected there and heard within ``timeout_s``, database time)."""
-    now = database_now(conn)
+    it (its home heard it within ``timeout_s``, database time, and has not let it go).
+    An id with no row yet is free: its row is written once the engine proves itself (a
+    replica that finds it written by another then lets go: record_engines)."""
     row = repo.home_of(conn, engine_id)
     if row is None:
-        # New: the row is made now (a replica claiming it at the same moment fails on
-        # the primary key and refuses).
-        repo.insert_engines(
-            conn,
-            [
-                {
-                    "engine_id": engine_id,
-                    "connected": True,
-                    "first_seen": now,
-                    "last_seen": now,
-                    "home_replica": replica,
-                    "home_seen_at": now,
-                }
-            ],
-        )
         return True
+    now = database_now(conn)
     held_elsewhere = (
         row.home_replica not in (None, replica)
-        and row.connected
         and row.home_seen_at is not None
         and (now - row.home_seen_at).total_seconds() <= timeout_s
     )

@@ -16,13 +16,21 @@ class PushCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        everyone = list(self._server.peers.values())
+        bound = list(self._server.peers.values())
+        # Connections that have not acknowledged a snapshot are no engine yet.
+        everyone = [peer for peer in bound if peer.proven]
         peers = [peer for peer in everyone if peer.role == p.ENGINE_ROLE]
         connected = GaugeMetricFamily(
             "output_rate_engines_connected", "Engines connected to the push endpoint"
         )
         connected.add_metric([], len({peer.engine_id for peer in peers}))
         yield connected
+        unproven = GaugeMetricFamily(
+            "output_rate_push_unproven_connections",
+            "Connections bound to an engine id that have not acknowledged a snapshot yet",
+        )
+        unproven.add_metric([], len(bound) - len(everyone))
+        yield unproven
         applied = GaugeMetricFamily(
             "output_rate_engine_applied_version",
             "Config version each connected engine applied",

@@ -81,9 +81,16 @@ MAX_MESSAGES_PER_DRAIN = 1000
 # Connections bound to an engine at once; more are refused (each holds a snapshot's
 # worth of socket buffer while it reads).
 MAX_PEERS = 1024
+# Connections that have not proved themselves yet (acknowledged a snapshot) at once, and
+# how long one may stay so: a flood of fresh engine ids takes at most these slots, for at
+# most that long, and never a known engine's (docs/live-push.md, "Unproven connections").
+MAX_UNPROVEN_PEERS = 64
+UNPROVEN_GRACE_S = 10.0
 # Malformed or refused engine messages: the first of each kind is logged, then one
 # summary line per this interval with the counts.
 DROP_LOG_INTERVAL_S = 60.0
+# How long a closing server's socket keeps trying to deliver its goodbyes.
+GOODBYE_LINGER_MS = 500
 # Engine rows not seen for the retention are deleted this often.
 RETENTION_SWEEP_INTERVAL_S = 60.0
 # The ops each role receives of a delta (the rest are left out, the version kept).
@@ -146,6 +153,10 @@ class Peer:
     last_snapshot_at: float = float("-inf")
     # The version of a snapshot sent and not acknowledged yet (None: none in flight).
     unread_snapshot: int | None = None
+    # It acknowledged a snapshot here, or its engine id applied one before: only then is
+    # it shown in GET /engines and exempt from the unproven bound.
+    proven: bool = False
+    bound_at: float = field(default_factory=time.monotonic)
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -237,6 +248,10 @@ class PushServer:
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
         self.num_snapshots_sent = 0
+        self.num_unproven = 0
+        # Engine ids that applied a version here before (loaded at start, then as peers
+        # prove themselves): they bind whatever the unproven connections hold.
+        self._known_ids: set[str] = set()
         self.num_frames_unsent = 0
         self._next_sweep = 0.0
         self._context = zmq.Context()
@@ -350,6 +365,7 @@ class PushServer:
         self._wake_sender = make_socket(self._context, zmq.PAIR)
         self._wake_sender.connect(self._wake_address)
         self._mark_all_disconnected()
+        self._known_ids = self._db.run_now(engines.applied_engine_ids)
         self._thread = threading.Thread(
             target=self._loop, args=(router, wake_receiver), name="output-rate-push", daemon=True
         )
@@ -433,7 +449,14 @@ class PushServer:
                     logger.exception("output-rate push loop error")
                     self._stop.wait(0.5)
         finally:
-            router.close(linger=0)
+            # Shutting down: tell every peer, so engines move to another replica at once
+            # (the frames get a moment to leave before the socket goes); with replicas,
+            # let go of them first, so that the next replica may bind them.
+            self._let_go_of_engines()
+            goodbye = p.encode(p.Goodbye())
+            for identity in list(self.peers):
+                self._send(router, identity, goodbye)
+            router.close(linger=GOODBYE_LINGER_MS)
             wake.close(linger=0)
 
     def _drain(self, router: zmq.Socket) -> None:
@@ -460,7 +483,7 @@ class PushServer:
     ) -> None:
         now = time.monotonic()
         peer = self.peers.get(identity)
-        if isinstance(message, p.Snapshot | p.Delta | p.Shares):
+        if isinstance(message, p.Snapshot | p.Delta | p.Shares | p.Goodbye):
             self.drops.note("server-only message from an engine")
             return
         if peer is None:
@@ -509,6 +532,7 @@ class PushServer:
             unread = peer.unread_snapshot
             if isinstance(message, p.Ack) and unread is not None and message.version >= unread:
                 peer.unread_snapshot = None
+                self._prove(peer)
         elif isinstance(message, p.KeyUse):
             if peer.role != p.API_ROLE:
                 self.drops.note("key use from an engine core", repr(peer.engine_id))
@@ -645,6 +669,26 @@ class PushServer:
                     f"key {(key or '?')[:8]}... claimed {engine_id!r}",
                 )
                 return None
+        owner = self._owners.get((engine_id, role))
+        holder = self.peers.get(owner) if owner is not None else None
+        if holder is not None and owner != identity:
+            if now - holder.last_seen <= self._engine_timeout_s:
+                self.drops.note(
+                    "engine id already bound to another live connection",
+                    f"{engine_id!r} ({role})",
+                )
+                return None
+            self._forget(owner)  # type: ignore[arg-type]
+        if len(self.peers) >= MAX_PEERS:
+            self.drops.note("too many connections", f"at most {MAX_PEERS}")
+            return None
+        known = engine_id in self._known_ids
+        if not known and self.num_unproven >= MAX_UNPROVEN_PEERS:
+            self.drops.note(
+                "too many connections that have not acknowledged a snapshot",
+                f"at most {MAX_UNPROVEN_PEERS}",
+            )
+            return None
         if self.replica_id is not None and role == p.ENGINE_ROLE:
             try:
                 claimed = self._db.run_now(
@@ -660,28 +704,33 @@ class PushServer:
                 self.num_binds_refused_elsewhere += 1
                 self.drops.note("engine id live on another replica", repr(engine_id))
                 return None
-        owner = self._owners.get((engine_id, role))
-        holder = self.peers.get(owner) if owner is not None else None
-        if holder is not None and owner != identity:
-            if now - holder.last_seen <= self._engine_timeout_s:
-                self.drops.note(
-                    "engine id already bound to another live connection",
-                    f"{engine_id!r} ({role})",
-                )
-                return None
-            self._forget(owner)  # type: ignore[arg-type]
-        if len(self.peers) >= MAX_PEERS:
-            self.drops.note("too many connections", f"at most {MAX_PEERS}")
-            return None
-        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, role=role, key=key)
+        peer = self.peers[identity] = Peer(
+            engine_id=engine_id, model=model, role=role, key=key, proven=known, bound_at=now
+        )
         peer.last_seen = now
         self._owners[engine_id, role] = identity
-        self._dirty.add(identity)
+        if known:
+            self._dirty.add(identity)
+        else:
+            self.num_unproven += 1
         return peer
+
+    def _prove(self, peer: Peer) -> None:
+        """A peer acknowledged a snapshot: it reads and speaks the protocol."""
+        if peer.proven:
+            return
+        peer.proven = True
+        self.num_unproven -= 1
+        self._known_ids.add(peer.engine_id)
+        identity = self._owners.get((peer.engine_id, peer.role))
+        if identity is not None:
+            self._dirty.add(identity)
 
     def _forget(self, identity: bytes) -> Peer | None:
         peer = self.peers.pop(identity, None)
         self._dirty.discard(identity)
+        if peer is not None and not peer.proven:
+            self.num_unproven -= 1
         if peer is not None and self._owners.get((peer.engine_id, peer.role)) == identity:
             del self._owners[peer.engine_id, peer.role]
         return peer
@@ -779,9 +828,12 @@ class PushServer:
 
     def _beat(self, router: zmq.Socket, now: float) -> None:
         for identity, peer in list(self.peers.items()):
+            if not peer.proven and now - peer.bound_at > UNPROVEN_GRACE_S:
+                self._forget(identity)  # it never acknowledged its snapshot: no row to mark
+                continue
             if now - peer.last_seen > self._engine_timeout_s:
                 self._forget(identity)
-                if (peer.engine_id, peer.role) not in self._owners:
+                if peer.proven and (peer.engine_id, peer.role) not in self._owners:
                     self._set_disconnected(peer.engine_id, peer.role)
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
@@ -791,7 +843,9 @@ class PushServer:
                 [
                     peer.engine_id
                     for peer in self.peers.values()
-                    if peer.role == p.ENGINE_ROLE and now - peer.last_seen <= LIVE_WITHIN_S
+                    if peer.role == p.ENGINE_ROLE
+                    and peer.proven
+                    and now - peer.last_seen <= LIVE_WITHIN_S
                 ]
             )
         self.drops.flush(now)
@@ -813,7 +867,7 @@ class PushServer:
                 role=peer.role,
             )
             for peer in (self.peers.get(identity) for identity in self._dirty)
-            if peer is not None
+            if peer is not None and peer.proven
         }
         self._dirty.clear()
         try:
@@ -842,6 +896,19 @@ class PushServer:
             owner = self._owners.get((engine_id, p.ENGINE_ROLE))
             if owner is not None:
                 self._forget(owner)
+
+    def _let_go_of_engines(self) -> None:
+        if self.replica_id is None:
+            return
+        ids = [
+            peer.engine_id
+            for peer in self.peers.values()
+            if peer.role == p.ENGINE_ROLE and peer.proven
+        ]
+        try:
+            self._db.run_now(engines.disconnect_engines, engine_ids=ids, replica=self.replica_id)
+        except Exception as e:  # the database is away: they are claimable after the timeout
+            logger.warning("could not let go of this replica's engines: %s", e)
 
     def _set_disconnected(self, engine_id: str, role: p.Role) -> None:
         self._db.run_now(

@@ -151,10 +151,15 @@ def listed(replica: Served) -> dict[str, bool]:
         return {e["engine_id"]: e["connected"] for e in http.get("/engines").json()["items"]}
 
 
+def all_listed_connected(replica: Served) -> bool:
+    return listed(replica) == dict.fromkeys(STREAMS, True)
+
+
 def test_engine_ids_are_bound_on_one_replica_and_listed_connected_on_both(fleet: Fleet) -> None:
-    # GET /engines on either replica: every engine, each connected.
+    # GET /engines on either replica: every engine, each connected (its row is written
+    # once it acknowledged its snapshot).
     for replica in (fleet.a, fleet.b):
-        assert listed(replica) == dict.fromkeys(STREAMS, True)
+        fleet.until(partial(all_listed_connected, replica))
     # A third replica starting marks none of the others' engines disconnected, and lists
     # them all connected itself.
     with serve(fleet.url, fleet.workdir, env={"OUTPUT_RATE_REPLICA_ID": "replica-c"}) as c:

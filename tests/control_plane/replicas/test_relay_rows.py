@@ -128,7 +128,21 @@ def test_an_engine_core_is_bound_on_one_replica_at_a_time(db: Database) -> None:
     assert claim(db, "e1", "b")
     assert db.run_now(engines.record_engines, seen=[seen("e1")], replica="a") == {"e1"}
     db.run_now(engines.disconnect_engines, engine_ids=["e1"], replica="a")
+    assert db.run_now(engines.record_engines, seen=[seen("e1")], replica="b") == set()
     assert connected(db) == {"e1": True}
+    assert not claim(db, "e1", "a")
+
+
+def test_a_new_id_bound_on_two_replicas_at_once_stays_with_the_first_that_writes_it(
+    db: Database,
+) -> None:
+    # No row yet: both may bind (the row is written once the engine proves itself) ...
+    assert claim(db, "fresh", "a") and claim(db, "fresh", "b")
+    assert connected(db) == {}  # a bind alone writes no row
+    # ... the first to write it keeps it; the other is told and lets go.
+    assert db.run_now(engines.record_engines, seen=[seen("fresh")], replica="a") == set()
+    assert db.run_now(engines.record_engines, seen=[seen("fresh")], replica="b") == {"fresh"}
+    assert not claim(db, "fresh", "b")
 
 
 def test_a_replica_starting_marks_only_its_own_engines_disconnected(db: Database) -> None:
