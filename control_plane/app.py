@@ -25,7 +25,7 @@ from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.fleet.coordinator import FleetCoordinator
-from control_plane.fleet.view import FleetView, NoFleet
+from control_plane.fleet.view import CurrentFleet, FleetView, NoFleet
 from control_plane.keys import routes as key_routes
 from control_plane.keys.bucket import TokenBucket
 from control_plane.keys.last_used import KeyUseRecorder
@@ -33,6 +33,7 @@ from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
+from control_plane.replicas import relay as fleet_relay
 from control_plane.replicas.lease import LeaseKeeper, default_replica_id
 from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
@@ -172,6 +173,7 @@ class Served:
     database_url: str
     listener: ChangeListener | None = None
     announcer: ChangeAnnouncer | None = None
+    relay: fleet_relay.FleetRelay | None = None
     _sqlite_lock: IO[str] | None = None
     _closed: bool = False
 
@@ -180,6 +182,8 @@ class Served:
         self._sqlite_lock = hold_sqlite_lock(self.database_url)
         self.lease.start()
         self.push.start()
+        if self.relay is not None:
+            self.relay.start()
         self.history.start()
         self.key_uses.start()
         if self.db.engine.dialect.name == "postgresql":
@@ -199,6 +203,8 @@ class Served:
         for session in (self.announcer, self.listener):
             if session is not None:
                 session.close()
+        if self.relay is not None:
+            self.relay.close()
         self.push.close()
         self.history.close()
         self.key_uses.close()
@@ -210,21 +216,51 @@ class Served:
 def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> Served:
     """The app with its push endpoint: every commit wakes the push server, engines'
     usage reports feed GET /usage, /metrics and the usage history, their API servers'
-    key-use reports the keys' last_used_at."""
+    key-use reports the keys' last_used_at. On PostgreSQL the fleet allocator runs on
+    the leader replica only, the others relay to it (docs/replicas.md); on SQLite (one
+    replica) it always runs here."""
     db = Database(make_engine(settings.database_url))
     book = UsageBook()
-    fleet = FleetCoordinator(
-        lease_s=settings.share_lease_s, gone_after_s=settings.share_gone_after_s
-    )
+    replica_id = settings.replica_id or default_replica_id()
+    lease = LeaseKeeper(db, holder=replica_id)
+
+    def make_fleet(quiet_until: float = float("-inf")) -> FleetCoordinator:
+        return FleetCoordinator(
+            lease_s=settings.share_lease_s,
+            gone_after_s=settings.share_gone_after_s,
+            quiet_until=quiet_until,
+        )
+
     key_uses = KeyUseRecorder(db)
-    push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet, key_uses=key_uses.add)
+    relay = None
+    if db.engine.dialect.name == "postgresql":
+        with db.engine.connect() as conn:
+            channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
+        relay = fleet_relay.FleetRelay(
+            db, replica_id=replica_id, term=lambda: lease.term, channel=channel
+        )
+        push = PushServer.from_settings(
+            settings,
+            db=db,
+            usage=book,
+            key_uses=key_uses.add,
+            relay=relay,
+            term=lambda: lease.term,
+            make_fleet=make_fleet,
+        )
+        relay.on_arrival = push.wake
+        fleet: FleetView = CurrentFleet(lambda: push.fleet)
+    else:
+        push = PushServer.from_settings(
+            settings, db=db, usage=book, fleet=make_fleet(), key_uses=key_uses.add
+        )
+        fleet = CurrentFleet(lambda: push.fleet)
     db.on_commit.append(push.notify)
     history = UsageRecorder(
         db,
         retention_days=settings.usage_retention_days,
         max_users_per_minute=settings.usage_history_max_users_per_minute,
     )
-    lease = LeaseKeeper(db, holder=settings.replica_id or default_replica_id())
     book.on_report.append(history.add)
     app = create_app(
         settings,
@@ -243,6 +279,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         key_uses=key_uses,
         lease=lease,
         database_url=settings.database_url,
+        relay=relay,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
     # the caller's own close may never come): engines hear the goodbye, counts are flushed,

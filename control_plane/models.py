@@ -12,8 +12,10 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     ForeignKey,
+    Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -255,6 +257,10 @@ class Engine(Base):
     api_applied_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # The replica holding the engine core's connection, and when it last heard the core
+    # (database time): an engine id live on one replica cannot be bound on another.
+    home_replica: Mapped[str | None] = mapped_column(String(MAX_REPLICA_ID_LEN), nullable=True)
+    home_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class UsageMinute(Base):
@@ -286,3 +292,32 @@ class ReplicaLease(Base):
     holder: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN), default="")
     token: Mapped[int] = mapped_column(BigInteger, default=0)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+# What a fleet_relay row carries: engines' frames to the leader, or the leader's to a home.
+RELAY_KINDS = ("up", "down")
+
+
+class FleetRelayRow(Base):
+    """A batch of fleet frames between replicas (control_plane/replicas/relay.py): "up" from
+    an engine's home replica to whichever replica leads, "down" from the leader (its fencing
+    token) to one home replica. Consumers delete what they read; a sweep prunes the rest."""
+
+    __tablename__ = "fleet_relay"
+    __table_args__ = (
+        CheckConstraint("kind IN ('up', 'down')", name="kind_valid"),
+        Index("ix_fleet_relay_kind_to_replica", "kind", "to_replica"),
+        Index("ix_fleet_relay_created_at", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), Identity(), primary_key=True
+    )
+    kind: Mapped[str] = mapped_column(String(4))
+    # The leader's fencing token ("down"), or 0.
+    token: Mapped[int] = mapped_column(BigInteger, default=0)
+    from_replica: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN))
+    # The home replica a "down" batch is for ("" for "up": whoever leads).
+    to_replica: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN), default="")
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

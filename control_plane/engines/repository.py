@@ -22,6 +22,18 @@ def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(conn.execute(query).scalars())
 
 
+def homes_of(conn: Connection, ids: Sequence[str]) -> dict[str, str | None]:
+    """engine id -> its home replica, for the rows that exist (locked until the end of
+    the transaction, so a claim by another replica waits or is seen)."""
+    query = (
+        select(engines.c.engine_id, engines.c.home_replica)
+        .where(engines.c.engine_id.in_(ids))
+        .order_by(engines.c.engine_id)
+        .with_for_update()
+    )
+    return {row.engine_id: row.home_replica for row in conn.execute(query)}
+
+
 def applied_engine_ids(conn: Connection) -> set[str]:
     """Engines that applied a version (an engine core, or an API server)."""
     query = select(engines.c.engine_id).where(
@@ -48,10 +60,48 @@ def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         conn.execute(insert(engines), list(rows))
 
 
-def update_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """rows: engine_id, model, applied_version, last_seen (all mark it connected)."""
+def home_of(conn: Connection, engine_id: str) -> Any:
+    """The engine's home replica and when it last heard the core (the row locked until
+    the end of the transaction)."""
+    query = (
+        select(engines.c.home_replica, engines.c.home_seen_at)
+        .where(engines.c.engine_id == engine_id)
+        .with_for_update()
+    )
+    return conn.execute(query).one_or_none()
+
+
+def set_home(conn: Connection, engine_id: str, replica: str, seen_at: datetime) -> None:
+    conn.execute(
+        update(engines)
+        .where(engines.c.engine_id == engine_id)
+        .values(home_replica=replica, home_seen_at=seen_at)
+    )
+
+
+def count_homed_since(conn: Connection, cutoff: datetime) -> int:
+    """Engine cores connected to some replica that heard them after ``cutoff``."""
+    query = select(func.count()).where(engines.c.connected, engines.c.home_seen_at >= cutoff)
+    return int(conn.execute(query).scalar_one())
+
+
+def ids_homed_since(conn: Connection, cutoff: datetime) -> list[str]:
+    query = select(engines.c.engine_id).where(engines.c.connected, engines.c.home_seen_at >= cutoff)
+    return list(conn.execute(query).scalars())
+
+
+def update_engines(
+    conn: Connection,
+    rows: Sequence[dict[str, Any]],
+    *,
+    home: str | None = None,
+    home_seen_at: datetime | None = None,
+) -> None:
+    """rows: engine_id, model, applied_version, last_seen (all mark it connected; with
+    ``home``, homed at that replica as of ``home_seen_at``)."""
     if not rows:
         return
+    homed = {} if home is None else {"home_replica": home, "home_seen_at": home_seen_at}
     statement = (
         update(engines)
         .where(engines.c.engine_id == bindparam("id"))
@@ -61,6 +111,7 @@ def update_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
             applied_version=bindparam("new_applied_version"),
             connected=True,
             last_seen=bindparam("new_last_seen"),
+            **homed,
         )
     )
     conn.execute(
@@ -99,11 +150,19 @@ def clear_api_versions(conn: Connection, ids: Sequence[str] | None = None) -> No
     conn.execute(statement)
 
 
-def set_engines_disconnected(conn: Connection, ids: Sequence[str] | None = None) -> None:
-    """Mark the given engines (all of them for None) disconnected."""
-    statement = update(engines).values(connected=False)
+def set_engines_disconnected(
+    conn: Connection, ids: Sequence[str] | None = None, *, home: str | None = None
+) -> None:
+    """Mark the given engines (all of them for None) disconnected, let go by their home
+    (another replica may bind them at once); with ``home``, only those homed at that
+    replica (or nowhere)."""
+    statement = update(engines).values(connected=False, home_seen_at=None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
+    if home is not None:
+        statement = statement.where(
+            (engines.c.home_replica == home) | engines.c.home_replica.is_(None)
+        )
     conn.execute(statement)
 
 

@@ -14,6 +14,7 @@ from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import service as limits
+from control_plane.replicas.lease import database_now
 from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.
@@ -91,19 +92,64 @@ def delete_engine(conn: Connection, *, engine_id: str) -> None:
 
 
 @service("write")
-def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
+def claim_engine(conn: Connection, *, engine_id: str, replica: str, timeout_s: float) -> bool:
+    """Bind an engine core to this replica fleet-wide: False when another replica holds
+    it (its home heard it within ``timeout_s``, database time, and has not let it go).
+    An id with no row yet is free: its row is written once the engine proves itself (a
+    replica that finds it written by another then lets go: record_engines)."""
+    row = repo.home_of(conn, engine_id)
+    if row is None:
+        return True
+    now = database_now(conn)
+    held_elsewhere = (
+        row.home_replica not in (None, replica)
+        and row.home_seen_at is not None
+        and (now - row.home_seen_at).total_seconds() <= timeout_s
+    )
+    if held_elsewhere:
+        return False
+    repo.set_home(conn, engine_id, replica, now)
+    return True
+
+
+@service("read")
+def count_live_engines(conn: Connection, *, timeout_s: float) -> int:
+    """Engine cores connected to any replica (the fleet's size, as the database knows)."""
+    return repo.count_homed_since(conn, database_now(conn) - timedelta(seconds=timeout_s))
+
+
+@service("read")
+def live_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
+    """Engine cores connected to any replica that heard them within ``within_s``."""
+    return repo.ids_homed_since(conn, database_now(conn) - timedelta(seconds=within_s))
+
+
+@service("write")
+def record_engines(
+    conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None
+) -> set[str]:
     """Engine cores and API servers that are connected now, as last seen: one row per
     engine_id. The core owns the row's model, applied version and connected flag; its
-    API server only its api_applied_version (and keeps the row from expiring)."""
+    API server only its api_applied_version (and keeps the row from expiring). With
+    ``replica``, the cores are homed at that replica, heard now; returns the cores
+    homed at another replica (it claimed them since: not written)."""
     now = datetime.now(UTC)
     # engine id -> role -> what was seen of it
     by_id: dict[str, dict[p.Role, EngineSeen]] = {}
     for e in seen:
         by_id.setdefault(e.engine_id, {})[e.role] = e
-    known = repo.engine_ids(conn, list(by_id))
+    if replica is None:
+        known = repo.engine_ids(conn, list(by_id))
+        moved: set[str] = set()
+    else:
+        homes = repo.homes_of(conn, list(by_id))
+        known = set(homes)
+        moved = {i for i, home in homes.items() if home not in (None, replica)}
     new_rows, core_rows, api_rows = [], [], []
     for engine_id, roles in by_id.items():
         core, api = roles.get(p.ENGINE_ROLE), roles.get(p.API_ROLE)
+        if engine_id in moved:
+            core = None
         if engine_id not in known:
             first = core or api
             assert first is not None
@@ -130,18 +176,34 @@ def record_engines(conn: Connection, *, seen: Sequence[EngineSeen]) -> None:
             )
         if api is not None:
             api_rows.append((engine_id, api.applied_version))
+    if replica is not None:
+        home_seen_at = database_now(conn)
+        for row in new_rows:
+            homed = bool(row["connected"])
+            row.update(
+                home_replica=replica if homed else None,
+                home_seen_at=home_seen_at if homed else None,
+            )
+    else:
+        home_seen_at = None
     repo.insert_engines(conn, new_rows)
-    repo.update_engines(conn, core_rows)
+    repo.update_engines(conn, core_rows, home=replica, home_seen_at=home_seen_at)
     repo.update_api_versions(conn, api_rows, last_seen=now)
+    return {i for i in moved if p.ENGINE_ROLE in by_id[i]}
 
 
 @service("write")
 def disconnect_engines(
-    conn: Connection, *, engine_ids: Sequence[str] | None, role: p.Role = p.ENGINE_ROLE
+    conn: Connection,
+    *,
+    engine_ids: Sequence[str] | None,
+    role: p.Role = p.ENGINE_ROLE,
+    replica: str | None = None,
 ) -> None:
     """Mark these engines' cores disconnected, or (role api) clear their API servers'
-    applied version; None: every engine."""
+    applied version; None: every engine. With ``replica``, only the cores homed there
+    (an engine that moved to another replica stays connected)."""
     if role == p.API_ROLE:
         repo.clear_api_versions(conn, engine_ids)
     else:
-        repo.set_engines_disconnected(conn, engine_ids)
+        repo.set_engines_disconnected(conn, engine_ids, home=replica)

@@ -10,11 +10,21 @@ version; only users some engine reported demand for are given to the allocator.
 Epochs: each time an engine (re)joins the allocator it gets a fresh epoch, so its
 share sequence starts over and the engine takes the first full table of the new epoch
 whatever sequence number it held (docs/fleet.md).
+
+Quiet start: a coordinator that takes over from another (a new leader replica,
+docs/replicas.md) knows nothing of the shares its predecessor gave out, which engines
+enforce until their lease ends. Until ``quiet_until`` it listens (demand, engines) and
+sends nothing, so every engine is on its safe shares, or on its predecessor's, never on
+a mix of both allocators' shares. It is also told the engines the fleet had
+(``await_engines``): they count in the fleet size at once, and it stays quiet until each
+has said its whole demand (or ``SEED_WAIT_S`` passed), since one it has not heard yet
+may be serving any user on its safe share.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -27,6 +37,20 @@ from output_rate_core.limits import EVERYONE, FLEET, LimitModel
 
 # Users nobody reports demand for any more are dropped from the tracked set this often.
 TRACKED_SWEEP_INTERVAL_S = 30.0
+# A successor's quiet start outlasts its predecessor's last lease by this much: the
+# delivery of the predecessor's last message (a relayed one waits for its batch).
+TAKEOVER_MARGIN_S = 1.0
+# How long a new coordinator waits for the whole demand of the engines the fleet had: an
+# engine whose replica stopped moves to the next after 3 x SERVER_SILENCE_S (10.5 s) and
+# says its whole demand after its snapshot; one still connected restates it every 5 s.
+SEED_WAIT_S = 15.0
+
+
+def quiet_until(predecessor_stopped_at: float, lease_s: float) -> float:
+    """When a coordinator may send its first shares: every lease its predecessor, which
+    sent nothing after ``predecessor_stopped_at`` (monotonic), gave out has ended."""
+    return predecessor_stopped_at + lease_s + TAKEOVER_MARGIN_S
+
 
 LoadSnapshot = Callable[[], p.Snapshot]
 LoadChanges = Callable[[int], list[tuple[int, list[dict[str, Any]]]]]
@@ -39,8 +63,10 @@ class FleetCoordinator:
         lease_s: float,
         gone_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quiet_until: float = -math.inf,
     ) -> None:
         self._clock = clock
+        self.quiet_until = quiet_until
         self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
         self._lock = threading.Lock()
         self._model = LimitModel()
@@ -52,6 +78,10 @@ class FleetCoordinator:
         self._epochs = itertools.count(secrets.randbits(40))
         # engine id -> the epoch of its current membership
         self._epoch_of: dict[str, int] = {}
+        # Engines of the fleet not heard with their whole demand yet, and until when
+        # the coordinator waits for them.
+        self._awaited: set[str] = set()
+        self._awaited_until = -math.inf
 
     # ---- the push thread ------------------------------------------------------
 
@@ -81,6 +111,15 @@ class FleetCoordinator:
         with self._lock:
             self._retarget(self._tracked)
 
+    def await_engines(self, engine_ids: Iterable[str], *, wait_s: float = SEED_WAIT_S) -> None:
+        """The fleet had these engines: count them now, stay quiet until each said its
+        whole demand (at most ``wait_s``)."""
+        with self._lock:
+            for engine_id in engine_ids:
+                self._join(engine_id)
+                self._awaited.add(engine_id)
+            self._awaited_until = self._clock() + wait_s
+
     def heard(self, engine_id: str) -> None:
         with self._lock:
             self._join(engine_id)
@@ -93,6 +132,10 @@ class FleetCoordinator:
                     self._tracked.add(user)
                     self._allocator.set_limit(user, self._limit_of(user))
             self._allocator.set_demand(engine_id, demand.streams, full=demand.full)
+            if demand.full:
+                self._awaited.discard(engine_id)
+            if self.quiet:
+                return []  # the first step after the quiet start sends full tables
             frames = self._frames(self._allocator.step())
             if demand.full:
                 # After a snapshot or a gap the engine asks for everything it holds.
@@ -107,8 +150,15 @@ class FleetCoordinator:
             self._allocator.acked(engine_id, ack.seq)
             return True
 
+    @property
+    def quiet(self) -> bool:
+        now = self._clock()
+        return now < self.quiet_until or (bool(self._awaited) and now < self._awaited_until)
+
     def step(self) -> list[tuple[str, p.Shares]]:
         with self._lock:
+            if self.quiet:
+                return []
             frames = self._frames(self._allocator.step())
             now = self._clock()
             if now >= self._next_sweep:

@@ -3,6 +3,7 @@ the allocator the push server runs, through this narrow interface."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -24,3 +25,19 @@ class NoFleet:
 
     def num_shared_users(self, engine_id: str) -> int:
         return 0
+
+
+class CurrentFleet:
+    """The coordinator this replica runs now, if any (with replicas only the leader runs
+    one; a follower shows no shares)."""
+
+    def __init__(self, current: Callable[[], FleetView | None]) -> None:
+        self._current = current
+
+    def shares_of(self, user: str) -> dict[str, int]:
+        fleet = self._current()
+        return {} if fleet is None else fleet.shares_of(user)
+
+    def num_shared_users(self, engine_id: str) -> int:
+        fleet = self._current()
+        return 0 if fleet is None else fleet.num_shared_users(engine_id)

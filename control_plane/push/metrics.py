@@ -71,3 +71,43 @@ class PushCollector(Collector):
         )
         unsent.add_metric([], self._server.num_frames_unsent)
         yield unsent
+        allocating = GaugeMetricFamily(
+            "output_rate_fleet_allocating",
+            "1 while this replica runs the fleet allocator (the leader, or the only replica)",
+        )
+        allocating.add_metric([], int(self._server.allocating))
+        yield allocating
+        share_frames = CounterMetricFamily(
+            "output_rate_fleet_share_frames",
+            "Shares frames this replica's fleet allocator sent (to its engines or relayed)",
+        )
+        share_frames.add_metric([], self._server.num_share_frames)
+        yield share_frames
+        elsewhere = CounterMetricFamily(
+            "output_rate_push_binds_refused_elsewhere",
+            "Engine ids refused because another replica holds them",
+        )
+        elsewhere.add_metric([], self._server.num_binds_refused_elsewhere)
+        yield elsewhere
+        relay = self._server.relay
+        if relay is not None:
+            rows = CounterMetricFamily(
+                "output_rate_fleet_relay_rows_written", "Rows this replica wrote to fleet_relay"
+            )
+            rows.add_metric([], relay.num_rows_written)
+            yield rows
+            transactions = CounterMetricFamily(
+                "output_rate_fleet_relay_transactions",
+                "Transactions of this replica's fleet relay (write: batches; read: takes)",
+                labels=["kind"],
+            )
+            transactions.add_metric(["write"], relay.num_write_transactions)
+            transactions.add_metric(["read"], relay.num_read_transactions)
+            yield transactions
+            fenced = CounterMetricFamily(
+                "output_rate_fleet_relay_fenced",
+                "Share batches refused at write (no longer the leader) or not delivered "
+                "(another leader's token)",
+            )
+            fenced.add_metric([], relay.num_fenced + relay.num_stale)
+            yield fenced

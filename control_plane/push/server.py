@@ -27,6 +27,13 @@ limits; its API server (role "api", the same engine id) gets the API keys only: 
 snapshot of the keys and every delta with only its key ops (the version kept, so it
 sees no gap). An API server is no fleet member and sends no usage or demand; it may
 report its keys' last use (KEY_USE), which goes to ``key_uses``.
+
+Replicas (docs/replicas.md, "One fleet allocator"): with a ``relay``, only the replica
+whose ``term`` holds the leader lease runs a fleet coordinator (a fresh one per term,
+made by ``make_fleet``); the others forward their engines' fleet frames to it and deliver
+its shares to their engines through control_plane/replicas/relay.py. The leader treats an
+engine on another replica like one of its own: same allocator, frames through the relay.
+An engine core's id is bound on one replica at a time (the engines row names its home).
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ import zmq
 
 from control_plane.db import Database
 from control_plane.engines import service as engines
-from control_plane.fleet.coordinator import FleetCoordinator
+from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.keys import service as keys
 from control_plane.limits import service as limits
+from control_plane.replicas.lease import Term
+from control_plane.replicas.relay import DOWN, FleetRelay
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
@@ -86,6 +95,9 @@ GOODBYE_LINGER_MS = 500
 RETENTION_SWEEP_INTERVAL_S = 60.0
 # The ops each role receives of a delta (the rest are left out, the version kept).
 KEY_OPS = (p.SetKey, p.DeleteKey)
+# A home replica lists to the leader the engines it heard from within this (the leader
+# takes them as heard; an engine that moved away drops off its old home's list).
+LIVE_WITHIN_S = 2.5 * p.HEARTBEAT_INTERVAL_S
 
 
 def ops_for(role: p.Role, ops: list[p.Op]) -> list[p.Op]:
@@ -182,6 +194,10 @@ class PushServer:
         engine_retention_s: float = DEFAULT_ENGINE_RETENTION_S,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
         poll_interval_s: float = 1.0,
+        relay: FleetRelay | None = None,
+        term: Callable[[], Term | None] | None = None,
+        make_fleet: Callable[[float], FleetCoordinator] | None = None,
+        share_lease_s: float = 10.0,
     ) -> None:
         self.endpoint = endpoint
         self._db = db
@@ -200,8 +216,28 @@ class PushServer:
         self._poll_interval_s = poll_interval_s
         # Where usage reports go (None: nobody reads them; they are dropped).
         self._usage = usage
-        # Fleet shares (docs/fleet.md); None: engines are only told the limits.
+        # Fleet shares (docs/fleet.md); None: engines are only told the limits (or, with a
+        # relay, this replica does not lead now).
         self.fleet = fleet
+        self.relay = relay
+        self.replica_id = None if relay is None else relay.replica_id
+        # With a relay: this replica's leadership now, and a coordinator for a new term
+        # (given when its first shares may go out).
+        self._term = term
+        self._make_fleet = make_fleet
+        self._share_lease_s = share_lease_s
+        # The token of the term self.fleet was made for.
+        self._fleet_token: int | None = None
+        # When this replica's coordinator last sent shares (monotonic): a later term of
+        # its own waits their lease out like a successor's.
+        self._last_shares_at = float("-inf")
+        # engine id -> the replica holding its connection (engines of other replicas the
+        # leader's coordinator serves through the relay)
+        self._home_of: dict[str, str] = {}
+        # Shares frames this replica's coordinators sent (local or relayed).
+        self.num_share_frames = 0
+        # Engine ids refused because another replica holds them.
+        self.num_binds_refused_elsewhere = 0
         # Where API servers' key-use reports go (None: nobody records them).
         self._key_uses = key_uses
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
@@ -247,6 +283,9 @@ class PushServer:
         usage: UsageBook,
         fleet: FleetCoordinator | None = None,
         key_uses: Callable[[Mapping[str, float]], None] | None = None,
+        relay: FleetRelay | None = None,
+        term: Callable[[], Term | None] | None = None,
+        make_fleet: Callable[[float], FleetCoordinator] | None = None,
     ) -> PushServer:
         """The server `output-rate serve` runs; warns about what its settings leave open."""
         secret = settings.zmq_secret_key.get_secret_value() if settings.zmq_secret_key else None
@@ -287,6 +326,10 @@ class PushServer:
             engine_timeout_s=settings.engine_timeout_s,
             engine_retention_s=settings.engine_retention_s,
             poll_interval_s=settings.push_poll_interval_s,
+            relay=relay,
+            term=term,
+            make_fleet=make_fleet,
+            share_lease_s=settings.share_lease_s,
         )
 
     # ---- lifecycle (any thread) -------------------------------------------
@@ -343,6 +386,18 @@ class PushServer:
                 with contextlib.suppress(zmq.Again):
                     self._wake_sender.send(b"", zmq.NOBLOCK)
 
+    def wake(self) -> None:
+        """Have the socket thread look at what arrived (the relay; any thread)."""
+        with self._wake_lock:
+            if self._wake_sender is not None:
+                with contextlib.suppress(zmq.Again):
+                    self._wake_sender.send(b"", zmq.NOBLOCK)
+
+    @property
+    def allocating(self) -> bool:
+        """This replica runs the fleet allocator now."""
+        return self.fleet is not None
+
     def close(self) -> None:
         self._stop.set()
         self.notify(0)
@@ -370,8 +425,11 @@ class PushServer:
                     publish = wake in events
                     while wake.poll(0):
                         wake.recv()
+                    self._lead()
                     if router in events:
                         self._drain(router)
+                    if self.relay is not None:
+                        self._take_relayed(router)
                     now = time.monotonic()
                     if now >= next_poll:
                         next_poll = now + self._poll_interval_s
@@ -392,7 +450,9 @@ class PushServer:
                     self._stop.wait(0.5)
         finally:
             # Shutting down: tell every peer, so engines move to another replica at once
-            # (the frames get a moment to leave before the socket goes).
+            # (the frames get a moment to leave before the socket goes); with replicas,
+            # let go of them first, so that the next replica may bind them.
+            self._let_go_of_engines()
             goodbye = p.encode(p.Goodbye())
             for identity in list(self.peers):
                 self._send(router, identity, goodbye)
@@ -480,7 +540,9 @@ class PushServer:
             if self._key_uses is not None:
                 self._key_uses(message.used)
         elif isinstance(message, p.Demand | p.ShareAck):
-            if self.fleet is None:
+            if self.fleet is None and self.relay is not None:
+                self.relay.up(peer.engine_id, p.encode(message))  # to the leader
+            elif self.fleet is None:
                 self.drops.note("fleet message while fleet shares are off")
             elif isinstance(message, p.Demand):
                 self._send_shares(router, self.fleet.on_demand(peer.engine_id, message))
@@ -496,10 +558,96 @@ class PushServer:
         self._dirty.add(identity)
 
     def _send_shares(self, router: zmq.Socket, frames: list[tuple[str, p.Shares]]) -> None:
+        if not frames:
+            return
+        if self._term is not None:
+            term = self._term()
+            if term is None or term.token != self._fleet_token:
+                return  # the term ended since the step: a successor decides now
+            self._last_shares_at = time.monotonic()
         for engine_id, message in frames:
             identity = self._owners.get((engine_id, p.ENGINE_ROLE))
             if identity is not None:
                 self._send(router, identity, p.encode(message))
+                self.num_share_frames += 1
+                continue
+            home = self._home_of.get(engine_id)
+            if self.relay is not None and home is not None and self._fleet_token is not None:
+                self.relay.down(home, self._fleet_token, engine_id, p.encode(message))
+                self.num_share_frames += 1
+
+    # ---- one allocator for the fleet (replicas) ------------------------------
+
+    def _lead(self) -> None:
+        """Run a coordinator while this replica leads, a fresh one per term."""
+        if self._term is None or self._make_fleet is None:
+            return  # one replica: the coordinator given, always
+        term = self._term()
+        if term is None:
+            if self.fleet is not None:
+                logger.info("replica %s no longer allocates fleet shares", self.replica_id)
+                self.fleet = None
+                self._fleet_token = None
+                self._home_of.clear()
+            return
+        if term.token == self._fleet_token:
+            return
+        stopped_at = max(term.predecessor_ended_at, self._last_shares_at)
+        fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s))
+        # Engines that may be enforcing its predecessor's shares, or safe shares of a
+        # fleet that counts them.
+        live: list[str] = self._db.run_now(engines.live_engine_ids, within_s=self._share_lease_s)
+        fleet.await_engines(live)
+        # The limits now, not at the next read of the change log.
+        fleet.refresh(
+            lambda: self._db.run_now(limits.load_snapshot),
+            lambda version: self._db.run_now(limits.load_changes_since, version),
+        )
+        self.fleet = fleet
+        self._fleet_token = term.token
+        self._home_of.clear()
+        logger.info(
+            "replica %s allocates fleet shares (leader token %d): first shares in %.1fs, "
+            "after the whole demand of %d engine(s) of the fleet",
+            self.replica_id,
+            term.token,
+            max(0.0, fleet.quiet_until - time.monotonic()),
+            len(live),
+        )
+
+    def _take_relayed(self, router: zmq.Socket) -> None:
+        assert self.relay is not None
+        for kind, arrived in self.relay.take():
+            if kind == DOWN:
+                # From the leader: shares for engines connected here.
+                for engine_id, frame in arrived.batch.frames:
+                    identity = self._owners.get((engine_id, p.ENGINE_ROLE))
+                    if identity is not None:
+                        self._send(router, identity, frame)
+                continue
+            fleet = self.fleet
+            if fleet is None:
+                continue  # taken just before the term ended: restated within 5 s
+            home = arrived.from_replica
+            for engine_id in arrived.batch.live or ():
+                if (engine_id, p.ENGINE_ROLE) not in self._owners:
+                    self._home_of[engine_id] = home
+                    fleet.heard(engine_id)
+            for engine_id, frame in arrived.batch.frames:
+                try:
+                    message = p.decode(frame, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
+                except p.ProtocolError as e:
+                    self.drops.note("malformed relayed frame", str(e)[:200])
+                    continue
+                if (engine_id, p.ENGINE_ROLE) in self._owners:
+                    if home != self.replica_id:
+                        continue  # older than what it says on its connection here
+                else:
+                    self._home_of[engine_id] = home
+                if isinstance(message, p.Demand):
+                    self._send_shares(router, fleet.on_demand(engine_id, message))
+                elif isinstance(message, p.ShareAck):
+                    fleet.on_ack(engine_id, message)
 
     def _bind(
         self,
@@ -541,6 +689,21 @@ class PushServer:
                 f"at most {MAX_UNPROVEN_PEERS}",
             )
             return None
+        if self.replica_id is not None and role == p.ENGINE_ROLE:
+            try:
+                claimed = self._db.run_now(
+                    engines.claim_engine,
+                    engine_id=engine_id,
+                    replica=self.replica_id,
+                    timeout_s=self._engine_timeout_s,
+                )
+            except Exception as e:  # a claim racing another replica's: the other has it
+                logger.debug("claim of %r failed: %s", engine_id, e)
+                claimed = False
+            if not claimed:
+                self.num_binds_refused_elsewhere += 1
+                self.drops.note("engine id live on another replica", repr(engine_id))
+                return None
         peer = self.peers[identity] = Peer(
             engine_id=engine_id, model=model, role=role, key=key, proven=known, bound_at=now
         )
@@ -574,7 +737,16 @@ class PushServer:
 
     def _snapshot_frame(self, role: p.Role) -> tuple[int, bytes]:
         # The fleet size rides along: an engine's safe shares hold from its first request.
-        num_engines = 1 if self.fleet is None or role == p.API_ROLE else self.fleet.num_engines
+        if role == p.API_ROLE or (self.fleet is None and self.relay is None):
+            num_engines = 1
+        elif self.relay is None:
+            num_engines = self.fleet.num_engines if self.fleet is not None else 1
+        else:  # engines of every replica
+            num_engines = max(
+                1,
+                self.fleet.num_engines if self.fleet is not None else 0,
+                self._db.run_now(engines.count_live_engines, timeout_s=self._engine_timeout_s),
+            )
         cached = self._snapshot_cache.get(role)
         if (
             cached is not None
@@ -666,6 +838,16 @@ class PushServer:
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
             self._send(router, identity, p.encode(p.Heartbeat(peer.sent_version)))
+        if self.relay is not None and self.fleet is None:
+            self.relay.live(
+                [
+                    peer.engine_id
+                    for peer in self.peers.values()
+                    if peer.role == p.ENGINE_ROLE
+                    and peer.proven
+                    and now - peer.last_seen <= LIVE_WITHIN_S
+                ]
+            )
         self.drops.flush(now)
         if now >= self._next_sweep:
             self._next_sweep = now + RETENTION_SWEEP_INTERVAL_S
@@ -689,22 +871,56 @@ class PushServer:
         }
         self._dirty.clear()
         try:
-            self._db.run_now(engines.record_engines, seen=list(seen.values()))
+            moved = self._db.run_now(
+                engines.record_engines, seen=list(seen.values()), replica=self.replica_id
+            )
         except Exception:
             # One row the database refuses must not keep every other engine's row stale:
             # write them one by one and let go of the engines whose row fails.
+            moved = set()
             for engine in seen.values():
                 try:
-                    self._db.run_now(engines.record_engines, seen=[engine])
+                    moved_one: set[str] = self._db.run_now(
+                        engines.record_engines, seen=[engine], replica=self.replica_id
+                    )
+                    moved |= moved_one
                 except Exception as e:
                     self.drops.note("engine status row refused by the database", str(e)[:200])
                     owner = self._owners.get((engine.engine_id, engine.role))
                     if owner is not None:
                         self._forget(owner)
+        for engine_id in moved:
+            # Another replica claimed it since (this replica was paused, or cut off): what
+            # still arrives from it here is old. Its row is the other replica's to write.
+            self.drops.note("engine bound on another replica since", repr(engine_id))
+            owner = self._owners.get((engine_id, p.ENGINE_ROLE))
+            if owner is not None:
+                self._forget(owner)
+
+    def _let_go_of_engines(self) -> None:
+        if self.replica_id is None:
+            return
+        ids = [
+            peer.engine_id
+            for peer in self.peers.values()
+            if peer.role == p.ENGINE_ROLE and peer.proven
+        ]
+        try:
+            self._db.run_now(engines.disconnect_engines, engine_ids=ids, replica=self.replica_id)
+        except Exception as e:  # the database is away: they are claimable after the timeout
+            logger.warning("could not let go of this replica's engines: %s", e)
 
     def _set_disconnected(self, engine_id: str, role: p.Role) -> None:
-        self._db.run_now(engines.disconnect_engines, engine_ids=[engine_id], role=role)
+        self._db.run_now(
+            engines.disconnect_engines, engine_ids=[engine_id], role=role, replica=self.replica_id
+        )
 
     def _mark_all_disconnected(self) -> None:
+        """At start: the engines this replica held before are not connected (with replicas,
+        the others' engines are theirs to say)."""
         for role in (p.ENGINE_ROLE, p.API_ROLE):
-            self._db.run_now(engines.disconnect_engines, engine_ids=None, role=role)
+            if role == p.API_ROLE and self.replica_id is not None:
+                continue  # an API server's version is restated at its next heartbeat
+            self._db.run_now(
+                engines.disconnect_engines, engine_ids=None, role=role, replica=self.replica_id
+            )

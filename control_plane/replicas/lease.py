@@ -18,6 +18,7 @@ either commits before the change or is refused after it, never interleaved.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -55,19 +56,39 @@ def database_now(conn: Connection) -> datetime:
     return utcnow()
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A successful take or renewal: the fencing token, and how long ago (database time)
+    the previous holder's lease ended (None: a renewal, nobody held it before us)."""
+
+    token: int
+    predecessor_ended_s_ago: float | None
+
+
 @service("write")
 def take_or_renew(conn: Connection, *, name: str, holder: str, ttl_s: float) -> int | None:
     """The fencing token if ``holder`` holds the lease for another ``ttl_s``, else None."""
+    taken = take_or_renew_lease(conn, name=name, holder=holder, ttl_s=ttl_s)
+    return None if taken is None else taken.token
+
+
+@service("write")
+def take_or_renew_lease(conn: Connection, *, name: str, holder: str, ttl_s: float) -> Taken | None:
+    """As take_or_renew, saying when a taken-over lease ended (a new leader waits out
+    what its predecessor may have promised: control_plane/fleet/coordinator.py)."""
     row = conn.execute(
         select(leases.c.holder, leases.c.token, leases.c.expires_at)
         .where(leases.c.name == name)
         .with_for_update()
     ).one()
     now = database_now(conn)
+    predecessor_ended_s_ago: float | None = None
     if row.holder == holder and row.expires_at > now:
         token = int(row.token)
     elif row.expires_at <= now:
         token = int(row.token) + 1
+        if row.token > 0:
+            predecessor_ended_s_ago = (now - row.expires_at).total_seconds()
     else:
         return None  # another replica holds it
     conn.execute(
@@ -75,7 +96,7 @@ def take_or_renew(conn: Connection, *, name: str, holder: str, ttl_s: float) -> 
         .where(leases.c.name == name)
         .values(holder=holder, token=token, expires_at=now + timedelta(seconds=ttl_s))
     )
-    return token
+    return Taken(token, predecessor_ended_s_ago)
 
 
 @service("write")
@@ -99,6 +120,17 @@ def check_fence(conn: Connection, *, name: str, token: int) -> None:
         raise NotLeader(f"lease {name!r} is no longer held with token {token}")
 
 
+def current_token(conn: Connection, *, name: str = LEADER) -> int | None:
+    """The token holding the lease now (None: it has expired), read under a share lock:
+    what a replica delivers for the leader must carry it (control_plane/replicas/relay.py)."""
+    row = conn.execute(
+        select(leases.c.token, leases.c.expires_at)
+        .where(leases.c.name == name)
+        .with_for_update(read=True)
+    ).one()
+    return int(row.token) if row.expires_at > database_now(conn) else None
+
+
 @dataclass(frozen=True)
 class Term:
     """A leadership this replica holds: its token, and until when it may act."""
@@ -106,6 +138,8 @@ class Term:
     token: int
     # time.monotonic() after which this replica must not act on it
     valid_until: float
+    # time.monotonic() by which the previous holder's lease had ended (-inf: there was none)
+    predecessor_ended_at: float = -math.inf
 
 
 class LeaseKeeper:
@@ -159,8 +193,8 @@ class LeaseKeeper:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                token = self._db.run_now(
-                    take_or_renew, name=self.name, holder=self.holder, ttl_s=self.ttl_s
+                taken = self._db.run_now(
+                    take_or_renew_lease, name=self.name, holder=self.holder, ttl_s=self.ttl_s
                 )
             except Exception as e:
                 # The database is unreachable: a term held lapses at its own deadline
@@ -168,8 +202,18 @@ class LeaseKeeper:
                 logger.warning("could not take or renew the %s lease: %s", self.name, e)
                 self._stop.wait(self.ttl_s / 6)
                 continue
-            self._set(None if token is None else Term(token, started + self.ttl_s))
+            self._set(None if taken is None else self._term_of(taken, started))
             self._stop.wait(self.ttl_s / 3)
+
+    def _term_of(self, taken: Taken, started: float) -> Term:
+        old = self._term
+        if old is not None and old.token == taken.token:
+            ended_at = old.predecessor_ended_at  # a renewal
+        elif taken.predecessor_ended_s_ago is None:
+            ended_at = -math.inf
+        else:
+            ended_at = started - taken.predecessor_ended_s_ago
+        return Term(taken.token, started + self.ttl_s, ended_at)
 
     def _set(self, term: Term | None) -> None:
         old, self._term = self._term, term

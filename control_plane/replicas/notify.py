@@ -38,14 +38,14 @@ LISTEN_POLL_S = 0.5
 RECONNECT_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)
 
 
-def channel_of(schema: str) -> str:
+def channel_of(schema: str, prefix: str = CHANNEL_PREFIX) -> str:
     if schema == "public":
-        return CHANNEL_PREFIX
-    return f"{CHANNEL_PREFIX}_{hashlib.sha256(schema.encode()).hexdigest()[:16]}"
+        return prefix
+    return f"{prefix}_{hashlib.sha256(schema.encode()).hexdigest()[:16]}"
 
 
-def current_channel(conn: Connection) -> str:
-    return channel_of(str(conn.execute(text("SELECT current_schema()")).scalar_one()))
+def current_channel(conn: Connection, prefix: str = CHANNEL_PREFIX) -> str:
+    return channel_of(str(conn.execute(text("SELECT current_schema()")).scalar_one()), prefix)
 
 
 class _Session(threading.Thread):
