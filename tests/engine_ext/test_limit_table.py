@@ -25,8 +25,8 @@ def test_the_table_gives_the_limiter_each_users_effective_rate_after_every_op() 
     for op in ops:
         table.apply(op, limiter)
         for user in ("a", "b", "c", "nobody"):
-            tier, override, _ = table.model.users.get(user, (None, None, None))
-            tier_rate = table.model.tiers.get(tier, (None, None))[0] if tier else None
+            tier, override, *_ = table.model.users.get(user, (None, None, None, None))
+            tier_rate = table.model.tiers.get(tier, (None, None, None))[0] if tier else None
             want = effective_rate(override, tier, tier_rate, table.model.default_rate)[0]
             assert limiter.rate_of(user) == want, (op, user)
 
