@@ -22,7 +22,7 @@ NUM_STREAMS = 4
 def _scheduler(
     clock: FakeClock, async_scheduling: bool, snapshot: p.Snapshot
 ) -> tuple[Any, LimitTable]:
-    sched = make_scheduler(async_scheduling=async_scheduling, max_num_seqs=16, clock=clock)
+    sched: Any = make_scheduler(async_scheduling=async_scheduling, max_num_seqs=16, clock=clock)
     table = LimitTable.from_snapshot(snapshot)
     table.load(sched.output_rate_limiter)
     return sched, table
