@@ -44,7 +44,7 @@ MAX_USAGE_REPORTS_PER_S = 4.0
 MAX_USAGE_REPORT_BURST = 8
 # A report too large for one engine frame (thousands of long multi-byte user ids) goes as
 # up to this many parts, split by users; the worst case (MAX_USAGE_USERS ids of 256
-# four-byte characters in both maps) takes 10 parts of MAX_ENGINE_MESSAGE_BYTES.
+# four-byte characters in all three maps) takes 15 parts of MAX_ENGINE_MESSAGE_BYTES.
 MAX_USAGE_PARTS = 32
 HEARTBEAT_INTERVAL_S = 1.0
 # The engine treats the server as gone after this long without any frame.
