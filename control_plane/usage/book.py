@@ -184,8 +184,7 @@ def would_throttle_fraction(granted: int, throttled: int, would_throttle: int) -
     return min(1.0, would_throttle / total) if total else 0.0
 
 
-def _users_of(report: p.Usage) -> set[str]:
-    return {*report.granted, *report.throttled, *report.would_throttle}
+_NO_STEPS = (0, 0, 0)
 
 
 class UsageBook:
@@ -307,7 +306,12 @@ class UsageBook:
         """The parts without the new users that would take the book over its bound."""
         users = self._users
         room = MAX_TRACKED_USERS - len(users)
-        new = {u for r in parts for u in _users_of(r) if u not in users}
+        new = {
+            u
+            for r in parts
+            for u in (*r.granted, *r.throttled, *r.would_throttle)
+            if u not in users
+        }
         if len(new) <= room:
             return parts
         keep = set(sorted(new)[:room])
@@ -331,7 +335,10 @@ class UsageBook:
 
     def _count(self, report: p.Usage, step: int) -> None:
         users = self._users
-        for user in _users_of(report):
+        names = {*report.granted, *report.throttled}
+        if report.would_throttle:
+            names.update(report.would_throttle)
+        for user in names:
             n = users.get(user, 0) + step
             if n > 0:
                 users[user] = n
@@ -373,19 +380,23 @@ class UsageBook:
             per_engine = [list(r) for r in self._reports.values()]
         granted_1: dict[str, float] = {}
         granted_10: dict[str, float] = {}
-        # user -> [tokens granted, steps refused, steps a shadow limit would have refused]
-        steps: dict[str, list[int]] = {}
+        # user -> (tokens granted, steps refused, steps a shadow limit would have refused)
+        steps: dict[str, tuple[int, int, int]] = {}
         for intervals in per_engine:
             self._add_rates(intervals, now - WINDOW_S, granted_10)
             # The short window: the engine's latest report, if it is recent.
             self._add_rates(intervals[-1:], now - SHORT_REACH_S, granted_1)
             for interval in intervals:
                 for report in interval.parts:
-                    for index, counts in enumerate(
-                        (report.granted, report.throttled, report.would_throttle)
-                    ):
-                        for user, n in counts.items():
-                            steps.setdefault(user, [0, 0, 0])[index] += n
+                    for user, n in report.granted.items():
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g + n, t, w)
+                    for user, n in report.throttled.items():
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g, t + n, w)
+                    for user, n in report.would_throttle.items():
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g, t, w + n)
         return [
             UserUsage(
                 user=user,
