@@ -198,6 +198,8 @@ def test_the_enforcement_selects_save_and_the_user_page_shows_what_shadow_would_
     assert (after["enforcement"], after["effective_enforcement"]) == ("shadow", "shadow")
     assert (after["tier"], after["output_tokens_per_second"]) == ("basic", 8)
     expect(effective).to_have_text("shadow: counted, not enforced (its own)")
+    # Its history names the change (an own enforcement is shown, an inherited one not).
+    expect(admin.locator("main")).to_contain_text("override 8 tok/s, enforcement shadow")
     expect(admin.locator("#user-would-throttle")).to_have_text(
         "25.0% of its request-steps in the last hour"
     )
