@@ -173,6 +173,7 @@ class Served:
     listener: ChangeListener | None = None
     announcer: ChangeAnnouncer | None = None
     _sqlite_lock: IO[str] | None = None
+    _closed: bool = False
 
     def start(self) -> None:
         """Raises AnotherReplica when another serve holds this SQLite database."""
@@ -191,6 +192,10 @@ class Served:
             self.db.on_commit.append(self.announcer.announce)
 
     def close(self) -> None:
+        """Idempotent: called at the app's shutdown and again by the caller."""
+        if self._closed:
+            return
+        self._closed = True
         for session in (self.announcer, self.listener):
             if session is not None:
                 session.close()
@@ -230,10 +235,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         collectors=[PushCollector(push), UsageCollector(book, history)],
         lease=lease,
     )
-    # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it).
-    app.router.on_shutdown.append(history.close)
-    app.router.on_shutdown.append(key_uses.close)
-    return Served(
+    served = Served(
         app=app,
         db=db,
         push=push,
@@ -242,3 +244,8 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         lease=lease,
         database_url=settings.database_url,
     )
+    # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
+    # the caller's own close may never come): engines hear the goodbye, counts are flushed,
+    # the lease is released.
+    app.router.on_shutdown.append(served.close)
+    return served

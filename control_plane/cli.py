@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alembic.config import Config
 from sqlalchemy.engine import make_url
@@ -14,6 +15,9 @@ from sqlalchemy.exc import ArgumentError
 import control_plane.migrations
 from control_plane import __version__
 from control_plane.settings import Settings, settings_errors
+
+if TYPE_CHECKING:
+    from control_plane.http_server import GuardedProtocol, OpenFileLimit
 
 # The checkout's migrations/ folder, installed as this subpackage (setup.py maps it), so
 # an installed control plane finds it in any folder; the checkout's alembic.ini points there.
@@ -30,10 +34,28 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
+# PostgreSQL advisory lock key held while migrating: replicas starting at once migrate
+# one after the other (the later ones find the schema at head and do nothing).
+MIGRATION_LOCK_KEY = 0x6F75747075745F72  # "output_r"
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
     from alembic import command
+    from sqlalchemy import create_engine, text
 
-    command.upgrade(alembic_config(database_url), revision)
+    if make_url(database_url).get_backend_name() != "postgresql":
+        command.upgrade(alembic_config(database_url), revision)
+        return
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as lock:
+            lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            try:
+                command.upgrade(alembic_config(database_url), revision)
+            finally:
+                lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+    finally:
+        engine.dispose()
 
 
 def downgrade(database_url: str, revision: str) -> None:
@@ -46,6 +68,8 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from control_plane.app import create_served_app
+    from control_plane.errors import ConfigurationError
+    from control_plane.http_server import guarded_protocol, http_limits, raise_open_file_limit
     from control_plane.replicas.single import AnotherReplica
 
     if settings.admin_token is None and not args.insecure_no_auth:
@@ -57,6 +81,13 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     host = settings.host if args.host is None else args.host
     port = settings.port if args.port is None else args.port
+    files = raise_open_file_limit()
+    try:
+        limits = http_limits(settings, files.num_files)
+        protocol = guarded_protocol(limits)
+    except ConfigurationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     upgrade(settings.database_url)
     # create_app logs the loud warning when authentication is off.
     served = create_served_app(settings, insecure_no_auth=args.insecure_no_auth)
@@ -66,16 +97,27 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     except AnotherReplica as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        startup_summary(settings, host, port, served.push.endpoint, auth=not args.insecure_no_auth),
-        file=sys.stderr,
-        flush=True,
-    )
     try:
+        # Opened now, on the thread that runs the event loop: no request or usage flush
+        # has to open a database connection (a file) while serving.
+        served.db.open_connections()
+        print(
+            startup_summary(
+                settings, host, port, served.push.endpoint, auth=not args.insecure_no_auth
+            )
+            + "\n"
+            + connection_summary(settings, protocol, files),
+            file=sys.stderr,
+            flush=True,
+        )
         uvicorn.run(
             served.app,
             host=host,
             port=port,
+            http=protocol,
+            # The API has no WebSocket route: no upgrade to another protocol's timeouts.
+            ws="none",
+            timeout_keep_alive=settings.http_keep_alive_timeout_s,
             log_level="info",
             # One line per request costs a third of a small request's time; opt in.
             access_log=args.access_log,
@@ -112,6 +154,27 @@ def startup_summary(
         + ("on" if settings.zmq_secret_key is not None else "OFF (plain TCP)"),
     ]
     return "\n".join(lines)
+
+
+def connection_summary(
+    settings: Settings, protocol: type[GuardedProtocol], files: OpenFileLimit
+) -> str:
+    """The summary's lines on HTTP connections and open files (docs/deploy.md)."""
+    limits = protocol.limits
+    raised = (
+        f" (raised from {files.num_files_before})"
+        if files.num_files != files.num_files_before
+        else ""
+    )
+    return "\n".join(
+        [
+            f"  http:     at most {limits.max_connections} connections (then 503, over "
+            f"{limits.max_open} closed unread); head {limits.header_timeout_s:g} s, idle "
+            f"{limits.idle_timeout_s:g} s, keep-alive {settings.http_keep_alive_timeout_s} s "
+            f"({protocol.parser})",
+            f"  files:    open-file limit {files.num_files}{raised}",
+        ]
+    )
 
 
 def keys(args: argparse.Namespace) -> int:

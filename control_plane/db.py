@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
@@ -71,6 +72,10 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        # Temporary tables, sorts and statement journals (a bulk write's) in memory: a
+        # write opens no file beyond its connection's, so a descriptor shortage cannot
+        # fail it.
+        cursor.execute("PRAGMA temp_store=MEMORY")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -159,6 +164,10 @@ class Database:
         # lock anyway, so they queue here instead of parking worker threads on it,
         # and a one-thread executor is the cheapest hop off the loop.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="output-rate-writer")
+        # The writer thread's connection, kept open (only that thread uses it): a queued
+        # write neither waits for the pool nor opens a connection, a file, when the
+        # process is short of them.
+        self._writer_conn: Connection | None = None
         # SQLite: the connection that reads and writes inline on an event loop's thread,
         # kept open (one per such thread) so that a request does not pay a pool
         # checkout and return. Calls on it never interleave: each runs to completion
@@ -236,7 +245,65 @@ class Database:
     ) -> T:
         """A write of any size: always on the writer thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._writer, partial(self.write_now, fn, *a, **kw))
+        return await loop.run_in_executor(
+            self._writer, partial(self._write_on_writer, lambda conn: fn(conn, *a, **kw))
+        )
+
+    def open_connections(self) -> None:
+        """Open now every connection a request or a usage flush would otherwise open
+        while serving, each with all its files: the writer thread's, the event loop's
+        own on SQLite (call this on the loop's thread), and the pool's idle ones."""
+        self._writer.submit(self._open_writer_connection).result()
+        pooled = [self.engine.connect() for _ in range(_POOL["pool_size"])]
+        for conn in [self._inline_connection()] if self._on_loop else []:
+            self._open_files(conn)
+        for conn in pooled:
+            self._open_files(conn)
+            conn.close()  # back to the pool, which keeps it open
+
+    def _open_writer_connection(self) -> None:
+        conn = self._writer_connection()
+        database = self.engine.url.database
+        if self._on_loop and database and not Path(f"{database}-wal").exists():
+            # SQLite makes the -wal file at the first write after the last connection
+            # closed, and a connection opens it at its next read: write once (the
+            # header's user_version, to the value it has) so that each can open it now.
+            # (When the file is there, another connection holds it: no write needed.)
+            with conn.begin():
+                version = int(conn.exec_driver_sql("PRAGMA user_version").scalar_one())
+                conn.exec_driver_sql(f"PRAGMA user_version = {version}")
+        self._open_files(conn)
+
+    def _open_files(self, conn: Connection) -> None:
+        if self._on_loop:
+            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
+            conn.rollback()
+
+    def _write_on_writer(self, work: Callable[[Connection], T]) -> T:
+        result = self._run_write(self._writer_connection(), work, wait=True)
+        self._after_commit(result)
+        return result
+
+    def _writer_connection(self) -> Connection:
+        conn = self._writer_conn
+        if conn is not None and not conn.closed and not conn.invalidated and self._alive(conn):
+            return conn
+        if conn is not None:
+            conn.close()
+        self._writer_conn = self.engine.connect()
+        return self._writer_conn
+
+    def _alive(self, conn: Connection) -> bool:
+        """PostgreSQL: the pool's pre-ping, for a connection that stays out of the pool
+        (a restarted server must not fail the next write). A SQLite file cannot go away."""
+        if self._on_loop:
+            return True
+        dbapi_connection = conn.connection.dbapi_connection
+        try:
+            return dbapi_connection is not None and self.engine.dialect.do_ping(dbapi_connection)
+        except Exception:
+            conn.invalidate()
+            return False
 
     def _inline_connection(self) -> Connection:
         conn: Connection | None = getattr(self._inline, "conn", None)
@@ -286,6 +353,9 @@ class Database:
 
     def dispose(self) -> None:
         self._writer.shutdown(wait=True)
+        if self._writer_conn is not None:
+            self._writer_conn.close()
+            self._writer_conn = None
         with self._inline_lock:
             for conn in self._inline_connections:
                 conn.close()

@@ -3,7 +3,9 @@
 - A request with a body is authenticated before one byte of the body is read (401/403
   come first, whatever the body), and its body is capped: MAX_BODY_BYTES, or
   MAX_BULK_BODY_BYTES for POST /limits:bulk; over that: 413, from the Content-Length
-  header alone when there is one, else as soon as the streamed body passes the cap.
+  header alone when there is one, else as soon as the streamed body passes the cap. A
+  body cut off by a disconnect (or the server's idle timeout, control_plane/http_server.py)
+  runs nothing.
 - A path that is not UTF-8 after percent-decoding is refused (400): decoding it with
   replacement characters would make two byte strings one user.
 - Every response gets frame protection and nosniff; the admin UI (/ui/) also gets a
@@ -44,6 +46,11 @@ UI_HEADERS = [(b"content-security-policy", UI_CSP.encode())]
 
 class BodyTooLarge(Exception):
     pass
+
+
+class ClientGone(Exception):
+    """The connection closed before the whole body came (the client left, or the server
+    timed it out): the request is dropped, never run on part of its body."""
 
 
 def body_limit(path: str) -> int:
@@ -129,6 +136,11 @@ class EdgeGuard:
             headers = {**(e.headers or {}), "connection": "close"}
             await _error(send_with_headers, e.status_code, str(e.detail), None, headers)
             return
+        except ClientGone:
+            # Nobody reads this answer; it is what the request counts as in /metrics.
+            detail = "body: the connection closed before the whole body came"
+            await _error(send_with_headers, 408, detail, "body", {"connection": "close"})
+            return
         except BodyTooLarge:
             detail = f"body: over {limit} bytes (the limit of {scope['method']} {scope['path']})"
             if limit != MAX_BULK_BODY_BYTES:
@@ -154,7 +166,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            raise ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     usage_history_max_users_per_minute: int = Field(
         default=DEFAULT_HISTORY_MAX_USERS_PER_MINUTE, ge=1, le=100_000
     )
+    # HTTP connections (control_plane/http_server.py, docs/deploy.md): a request head must
+    # be complete this long after the connection opened (or after its first byte on a
+    # kept-alive connection); a body, or the reading of a response, may pause this long;
+    # an idle kept-alive connection is closed after this long (uvicorn's, whole seconds).
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    http_idle_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    http_keep_alive_timeout_s: int = Field(default=5, ge=1, le=300)
+    # Connections served at once; unset: derived from the open-file limit at start.
+    http_max_connections: int | None = Field(default=None, ge=1)
 
     @field_validator("admin_token")
     @classmethod

@@ -6,10 +6,12 @@ import argparse
 import contextlib
 import ipaddress
 import json
+import os
 import re
 from typing import Any
 
 from engine_ext.config import DEFAULT_SNAPSHOT_TIMEOUT_S, OutputRateConfig
+from engine_ext.identity import MISSING_POLICIES, MODES, IdentityConfig
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
 from output_rate_core.ids import check_engine_id, check_user_id
 from output_rate_core.rates import MAX_RATE, validate_rate
@@ -27,7 +29,12 @@ FLAGS = {
     "control_plane_snapshot_timeout": "--control-plane-snapshot-timeout",
     "output_rate_metrics_users": "--output-rate-metrics-users",
     "output_rate_metrics_idle_seconds": "--output-rate-metrics-idle-seconds",
+    "output_rate_identity": "--output-rate-identity",
+    "output_rate_identity_header": "--output-rate-identity-header",
+    "output_rate_identity_missing": "--output-rate-identity-missing",
 }
+# An HTTP header name is a token (RFC 9110 5.1, 5.6.2).
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 def parse_rate(text: str) -> int | None:
@@ -153,11 +160,20 @@ def parse_idle_seconds(text: str) -> float:
     return value
 
 
+def parse_header_name(text: str) -> str:
+    if not _TOKEN.match(text):
+        raise argparse.ArgumentTypeError(
+            f"must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~), got {text!r}"
+        )
+    return text
+
+
 def add_flags(parser: Any) -> None:
     group = parser.add_argument_group(
         title="Per-user output rate",
-        description="Per-user output-token speed limits (vllm-output-rate). Identity comes "
-        "from vllm_xargs.output_rate_user; requests without it share '__anonymous__'.",
+        description="Per-user output-token speed limits (vllm-output-rate). The user comes "
+        "from vllm_xargs.output_rate_user unless --output-rate-identity says otherwise; "
+        "requests without one share '__anonymous__'.",
     )
     group.add_argument(
         FLAGS["default_user_output_tokens_per_second"],
@@ -213,6 +229,28 @@ def add_flags(parser: Any) -> None:
         help="A user's /metrics series goes after this many idle seconds "
         f"(default {DEFAULT_IDLE_S:g}).",
     )
+    group.add_argument(
+        FLAGS["output_rate_identity"],
+        choices=MODES,
+        default="body",
+        help="Who a request is: body = vllm_xargs.output_rate_user as sent (not "
+        "authenticated; default), header = the value of --output-rate-identity-header set "
+        "by a gateway, api-key = the user of the 'Authorization: Bearer' API key (keys from "
+        "the control plane). docs/identity.md.",
+    )
+    group.add_argument(
+        FLAGS["output_rate_identity_header"],
+        type=parse_header_name,
+        default=None,
+        help="With --output-rate-identity header: the header that names the user.",
+    )
+    group.add_argument(
+        FLAGS["output_rate_identity_missing"],
+        choices=MISSING_POLICIES,
+        default=None,
+        help="With --output-rate-identity header: a request without the header is refused "
+        "(401, default) or served as '__anonymous__'.",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
@@ -236,4 +274,53 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         ),
         metrics_max_users=getattr(args, "output_rate_metrics_users", DEFAULT_MAX_USERS),
         metrics_idle_s=getattr(args, "output_rate_metrics_idle_seconds", DEFAULT_IDLE_S),
+    )
+
+
+def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) -> IdentityConfig:
+    """The identity settings, or ValueError naming the flag that cannot be."""
+    mode = getattr(args, "output_rate_identity", "body")
+    header = getattr(args, "output_rate_identity_header", None)
+    missing = getattr(args, "output_rate_identity_missing", None)
+    flag, header_flag = FLAGS["output_rate_identity"], FLAGS["output_rate_identity_header"]
+    missing_flag = FLAGS["output_rate_identity_missing"]
+    if mode != "header" and header is not None:
+        raise ValueError(f"{header_flag} is only used with {flag} header")
+    if mode != "header" and missing is not None:
+        raise ValueError(f"{missing_flag} is only used with {flag} header")
+    if mode == "body":
+        return IdentityConfig()
+    if not rate_config.enabled:
+        raise ValueError(
+            f"{flag} {mode} identifies users for per-user limits, which are off: give "
+            "--default-user-output-tokens-per-second, --user-output-tokens-per-second or "
+            "--control-plane-endpoint"
+        )
+    if mode == "header":
+        if header is None:
+            raise ValueError(f"{flag} header needs {header_flag} NAME (the header a gateway sets)")
+        return IdentityConfig(mode="header", header=header, missing=missing or "refuse")
+    if not rate_config.control_plane_endpoints:
+        raise ValueError(
+            f"{flag} api-key needs {FLAGS['control_plane_endpoint']} (the keys come from "
+            "the control plane)"
+        )
+    if getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"):
+        raise ValueError(
+            f"{flag} api-key cannot run with vLLM's own --api-key (or VLLM_API_KEY): both read "
+            "the Authorization header; the output-rate API keys replace it"
+        )
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise ValueError(
+            f"{flag} api-key runs with one API server process (--api-server-count 1): the "
+            "control plane holds one key connection per engine"
+        )
+    served = getattr(args, "served_model_name", None)
+    model = served[0] if served else getattr(args, "model", "")
+    return IdentityConfig(
+        mode="api-key",
+        control_plane_endpoints=rate_config.control_plane_endpoints,
+        engine_id=rate_config.engine_id,
+        model=str(model or ""),
+        control_plane_public_key=rate_config.control_plane_public_key,
     )

@@ -33,7 +33,10 @@ NS_PER_S = 1_000_000_000
 # One token in scaled time units (ns x milli-tokens/s).
 TOKEN = MILLI * NS_PER_S
 DEFAULT_BURST_NS = 100_000_000
+# The user of a request that names none (vllm_xargs.output_rate_user absent).
 ANONYMOUS_USER = "__anonymous__"
+# The key of a request's vllm_xargs (SamplingParams.extra_args) that names its user.
+USER_ARG = "output_rate_user"
 
 
 def _milli(rate: int | None) -> int | None:

@@ -20,10 +20,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_ext import vllm_compat
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
+
+if TYPE_CHECKING:
+    from engine_ext.identity import IdentityConfig
 
 # A child of the "vllm" logger, so messages go through vLLM's own log configuration.
 logger = logging.getLogger("vllm.output_rate." + __name__)
@@ -67,9 +70,10 @@ def wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         engine_args = original(cls, args)
-        from engine_ext.flags import config_from_args
+        from engine_ext.flags import config_from_args, identity_from_args
 
         rate_config = config_from_args(args)
+        _install_identity(args, identity_from_args(args, rate_config), rate_config.enabled)
         if rate_config.enabled:
             vllm_compat.check_vllm_version()
             engine_args.additional_config = {
@@ -82,6 +86,27 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
         return engine_args
 
     return from_cli_args
+
+
+def _install_identity(args: argparse.Namespace, identity: IdentityConfig, limiting: bool) -> None:
+    """Header and api-key modes: our middleware in vLLM's own --middleware list (the last
+    one added is outermost: it runs before vLLM's), its settings in the environment."""
+    from engine_ext.identity import IDENTITY_ENV, MIDDLEWARE
+
+    if identity.mode == "body":
+        os.environ.pop(IDENTITY_ENV, None)
+        if limiting:
+            logger.warning(
+                "output-rate: users are not authenticated: a request's user is the "
+                "vllm_xargs.output_rate_user it sends (--output-rate-identity body); put the "
+                "engine behind a gateway that overwrites it, or use --output-rate-identity "
+                "header or api-key (docs/identity.md)"
+            )
+        return
+    os.environ[IDENTITY_ENV] = identity.to_env()
+    middleware = list(getattr(args, "middleware", None) or [])
+    if MIDDLEWARE not in middleware:
+        args.middleware = [*middleware, MIDDLEWARE]
 
 
 def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:

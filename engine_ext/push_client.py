@@ -20,6 +20,11 @@ client sends what changed, and the whole map after every snapshot and every few
 seconds. Shares arrive as their own messages, are applied by the table on the engine
 thread like deltas, and acknowledged; past their lease the table falls back to safe
 shares.
+
+The connection itself (IO thread, HELLO, snapshot then gap-free deltas, acks,
+heartbeats, resync with backoff) is ``PushConnection``; what a connection applies
+is its subclass's: ``PushClient`` (role "engine", the limiter) here, ``KeyClient``
+(role "api", the API keys of an engine's API server) in engine_ext/key_client.py.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -114,10 +120,16 @@ def usage_parts(
 
 
 @dataclass(frozen=True)
-class _PreparedSnapshot:
-    """A snapshot decoded and flattened off the engine thread."""
+class Prepared:
+    """A snapshot made ready off the applying thread (each connection says how)."""
 
     version: int
+
+
+@dataclass(frozen=True)
+class _PreparedSnapshot(Prepared):
+    """An engine's snapshot, decoded and flattened off the engine thread."""
+
     table: LimitTable
     # The limiter's entries before any share (milli-tokens/s).
     default_milli: int | None
@@ -129,20 +141,33 @@ class _PreparedSnapshot:
         return cls(snapshot.version, table, table.default_milli(), table.user_millis())
 
 
-# What the IO thread hands the engine thread: a frame to decode, a snapshot it
-# already decoded (100,000 users take ~70 ms to decode and flatten; the engine
+# What the IO thread hands the applying thread: a frame to decode, a snapshot it
+# already prepared (100,000 users take ~70 ms to decode and flatten; the engine
 # thread then only swaps the limiter's table), or SILENT: no word from the
 # server for silence_s.
-_Inbound = bytes | _PreparedSnapshot | None
+_Inbound = bytes | Prepared | None
 SILENT = None
 
 
-class PushClient:
-    """One engine's connection to the control plane's push endpoint.
+class PushConnection:
+    """One connection to the control plane's push endpoint, whatever it applies.
+
+    The rules every receiver follows live here: a HELLO on each new connection, a
+    snapshot before anything else, deltas applied only in order (a gap, a silent
+    server or a bad frame ask for a snapshot, with backoff), an ACK per applied
+    version, heartbeats both ways. A subclass says what a snapshot becomes
+    (``_prepare``, on the IO thread), how it is installed (``_install_snapshot``) and
+    what an op does (``_apply_op``), all on the applying thread: whichever thread
+    calls ``_drain``, one at a time.
 
     ``endpoints`` are the control plane's replicas (one database, one CURVE server
-    key): the client talks to one at a time and moves to the next, round robin, when
-    it stays silent (docs/replicas.md)."""
+    key): the connection talks to one at a time and moves to the next, round robin,
+    when it stays silent (docs/replicas.md).
+    """
+
+    role: p.Role = p.ENGINE_ROLE
+    # What the connection keeps while the control plane is silent (for its logs).
+    kept = "limits"
 
     def __init__(
         self,
@@ -159,7 +184,7 @@ class PushClient:
         resync_retry_s: float = p.RESYNC_RETRY_S,
     ) -> None:
         if not endpoints:
-            raise ValueError("PushClient needs at least one endpoint")
+            raise ValueError(f"{type(self).__name__} needs at least one endpoint")
         self.endpoints = tuple(endpoints)
         # The replica in use: written by the IO thread, read by any (logs, metrics).
         self.endpoint_index = 0
@@ -180,9 +205,10 @@ class PushClient:
         os.set_blocking(self._wake_write, False)
         self._snapshot_seen = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._io_loop, name="output-rate-push", daemon=True)
-        # Engine-thread state.
-        self.table = LimitTable()
+        self._thread = threading.Thread(
+            target=self._io_loop, name=f"output-rate-push-{self.role}", daemon=True
+        )
+        # Applying-thread state.
         self.applied_version = 0
         self.has_snapshot = False
         # Waiting for a snapshot: deltas are ignored until it arrives.
@@ -191,20 +217,12 @@ class PushClient:
         # Grows while asked-for snapshots do not come (a loaded server or engine must
         # not be buried under more snapshots); back to resync_retry_s once one lands.
         self._resync_wait_s = resync_retry_s
-        self._last_usage_at = time.monotonic()
-        # A report not sent yet (interval, granted, throttled, would-throttle), and when
-        # the last one went; the engine thread and the IO thread both take it, under the lock.
-        self._usage_lock = threading.Lock()
-        self._held_usage: tuple[float, dict[str, int], dict[str, int], dict[str, int]] | None = None
-        self._last_usage_sent_at = float("-inf")
-        # user -> streams, as the control plane last heard them from this engine
-        self.demand_sent: dict[str, int] = {}
-        self._full_demand_due = True
-        self._last_full_demand_at = 0.0
         self.num_dropped = 0
         self.num_resyncs = 0
         # IO-thread state.
         self.num_silences = 0
+        # The replica said goodbye (it shuts down): the IO thread moves on at once.
+        self._left = False
         self.num_reconnects = 0
 
     @property
@@ -212,7 +230,26 @@ class PushClient:
         """The replica the client talks to now (or dials)."""
         return self.endpoints[self.endpoint_index]
 
-    # ---- engine thread --------------------------------------------------
+    # ---- what a subclass applies (applying thread; _prepare on the IO thread) ----
+
+    def _prepare(self, snapshot: p.Snapshot) -> Prepared:
+        raise NotImplementedError
+
+    def _install_snapshot(self, prepared: Prepared) -> None:
+        raise NotImplementedError
+
+    def _apply_op(self, op: p.Op) -> None:
+        raise NotImplementedError
+
+    def _handle_other(self, message: p.Message) -> None:
+        """A message that is neither snapshot, delta nor heartbeat."""
+        raise p.ProtocolError(f"unexpected {type(message).__name__} from the control plane")
+
+    def _on_io_tick(self) -> None:
+        """Called by the IO thread after every poll (at least once a heartbeat interval),
+        before it sends what is queued."""
+
+    # ---- applying thread --------------------------------------------------
 
     @property
     def is_in_sync(self) -> bool:
@@ -241,8 +278,292 @@ class PushClient:
         os.close(self._wake_write)
 
     def wait_for_snapshot(self, timeout_s: float) -> bool:
-        """Block until the first snapshot has arrived (``apply_pending`` applies it)."""
+        """Block until the first snapshot has arrived (the applying thread applies it)."""
         return self._snapshot_seen.wait(timeout_s)
+
+    def _drain(self) -> int:
+        """Apply what arrived since the last call; return the number of versions applied."""
+        inbound = self._inbound
+        if inbound.empty() and not self._resyncing:
+            return 0
+        num_applied = 0
+        while not inbound.empty():
+            item = inbound.get_nowait()
+            if item is SILENT:
+                self._request_resync("the control plane is silent")
+                continue
+            try:
+                if isinstance(item, Prepared):
+                    num_applied += self._install(item)
+                else:
+                    num_applied += self._handle(p.decode(item))
+            except p.ProtocolError as e:
+                self.num_dropped += 1
+                logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
+                # Whatever it carried is lost: only a snapshot is safe now.
+                self._request_resync("bad message")
+        if self._resyncing and time.monotonic() - self._resync_asked_at > self._resync_wait_s:
+            self._resync_wait_s = min(2 * self._resync_wait_s, MAX_RESYNC_WAIT_S)
+            self._request_resync("no snapshot yet")
+        return num_applied
+
+    def _install(self, prepared: Prepared) -> int:
+        # Always taken: the database is the truth, even if it went back (a restore).
+        self._install_snapshot(prepared)
+        self.applied_version = prepared.version
+        self.has_snapshot = True
+        self._resyncing = False
+        self._resync_wait_s = self._resync_retry_s
+        self._send(p.Ack(self.engine_id, prepared.version))
+        return 1
+
+    def _handle(self, message: p.Message) -> int:
+        if isinstance(message, p.Snapshot):
+            return self._install(self._prepare(message))
+        if isinstance(message, p.Delta):
+            if self._resyncing or message.version <= self.applied_version:
+                return 0  # a duplicate, or older than the snapshot on its way
+            if message.version != self.applied_version + 1:
+                self._request_resync(f"gap: have {self.applied_version}, got {message.version}")
+                return 0
+            for op in message.ops:
+                self._apply_op(op)
+            self.applied_version = message.version
+            self._send(p.Ack(self.engine_id, message.version))
+            return 1
+        if isinstance(message, p.Heartbeat):
+            # The server sends its heartbeat after every frame up to message.version.
+            if not self._resyncing and message.version != self.applied_version:
+                self._request_resync(
+                    f"server sent up to {message.version}, applied {self.applied_version}"
+                )
+            return 0
+        self._handle_other(message)
+        return 0
+
+    def _request_resync(self, reason: str) -> None:
+        logger.info("output-rate: requesting a snapshot (%s)", reason)
+        self.num_resyncs += 1
+        self._resyncing = True
+        self._resync_asked_at = time.monotonic()
+        self._send(p.Resync(self.engine_id, self.applied_version, self.role))
+
+    def _send(self, message: p.Message) -> None:
+        self._outbound.put(message)
+        self._poke()
+
+    def _poke(self) -> None:
+        # A full pipe means the IO thread is already due to wake up.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_write, b"\0")
+
+    # ---- IO thread: moves frames, reconnects ----------------------------
+
+    def _connect(self, context: zmq.Context) -> zmq.Socket:
+        sock = make_socket(
+            context,
+            zmq.DEALER,
+            server_public_key=self._server_public_key,
+            client_secret_key=self._client_secret_key,
+        )
+        # Transport liveness (ZMTP heartbeats): a dead TCP peer is dropped and redialled
+        # by ZMQ itself; the protocol's own heartbeats detect a silent server.
+        ivl_ms = int(self._heartbeat_interval_s * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._reconnect_after_s * 1000))
+        if self.endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)  # else ZMQ never dials an IPv6 address
+        sock.connect(self.endpoint)
+        # A new connection always starts with a snapshot: HELLO makes the server send one.
+        hello = p.Hello(self.engine_id, self.model, self.applied_version, self.role)
+        sock.send(p.encode(hello), zmq.NOBLOCK)
+        return sock
+
+    def _io_loop(self) -> None:
+        context = zmq.Context()
+        sock: zmq.Socket | None = None
+        # New sockets in a row on which no replica answered (throttles the log).
+        num_unanswered = 0
+        try:
+            while not self._stop.is_set():
+                answered = False
+                try:
+                    sock = self._connect(context)
+                    answered = self._serve(sock)
+                except zmq.ZMQError as e:
+                    logger.warning("output-rate: control plane socket error: %s", e)
+                    self._stop.wait(0.5)
+                finally:
+                    if sock is not None:
+                        sock.close(linger=0)
+                        sock = None
+                if not self._stop.is_set():
+                    self.num_reconnects += 1
+                    num_unanswered = 0 if answered else num_unanswered + 1
+                    log = num_unanswered <= 1 or num_unanswered % 20 == 0
+                    self._move_on(answered=answered, log=log)
+        finally:
+            context.term()
+
+    def _move_on(self, *, answered: bool, log: bool) -> None:
+        """To the next replica (round robin); with one endpoint, a new socket to it."""
+        silent_at = self.endpoint
+        self.endpoint_index = (self.endpoint_index + 1) % len(self.endpoints)
+        if self._left:
+            self._left = False
+            logger.info(
+                "output-rate: control plane at %s is shutting down; on to replica %d of %d at "
+                "%s, keeping the last %s",
+                silent_at,
+                self.endpoint_index + 1,
+                len(self.endpoints),
+                self.endpoint,
+                self.kept,
+            )
+            return
+        if not log:
+            return
+        if len(self.endpoints) == 1:
+            logger.warning(
+                "output-rate: no word from the control plane at %s for %.1fs; "
+                "new connection, keeping the last %s (down, unreachable, or "
+                "a CURVE key mismatch)",
+                silent_at,
+                self._reconnect_after_s,
+                self.kept,
+            )
+            return
+        logger.warning(
+            "output-rate: no word from the control plane at %s for %.1fs; moving to "
+            "replica %d of %d at %s, keeping the last %s (down, unreachable, or "
+            "a CURVE key mismatch)",
+            silent_at,
+            self._reconnect_after_s if answered else self._silence_s,
+            self.endpoint_index + 1,
+            len(self.endpoints),
+            self.endpoint,
+            self.kept,
+        )
+
+    def _serve(self, sock: zmq.Socket) -> bool:
+        """Move frames until the server stays silent for reconnect_after_s, or close;
+        return whether it answered on this socket.
+
+        A restarted server on the same endpoint needs no new socket: ZMQ redials,
+        and the server answers the next heartbeat from this unknown peer with a
+        snapshot. A silence of silence_s makes the engine ask for a snapshot; only a
+        long one makes a new socket (a new HELLO, to the next replica if there are
+        several). A replica that has not answered on this socket yet is left after
+        silence_s: the next one costs nothing (every replica answers HELLO with a
+        snapshot), and an engine starting while the first replica is down gets its
+        snapshot within the default snapshot timeout."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_heartbeat = last_heard
+        silent = answered = False
+        give_up_s = self._silence_s if len(self.endpoints) > 1 else self._reconnect_after_s
+        while not self._stop.is_set():
+            timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
+            events = dict(poller.poll(timeout_ms))
+            if sock in events:
+                woke = heard = False
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    kind = p.peek_type(frame)
+                    if kind == p.GOODBYE:
+                        # The replica shuts down: on to the next one now.
+                        self._left = True
+                        return True
+                    if kind == p.SNAPSHOT:
+                        self._inbound.put(self._prepare_frame(frame))
+                        self._snapshot_seen.set()
+                    else:
+                        self._inbound.put(frame)
+                    woke = woke or kind != p.HEARTBEAT
+                    heard = True
+                if heard:
+                    last_heard = time.monotonic()
+                    silent = False
+                    if not answered:
+                        answered = True
+                        give_up_s = self._reconnect_after_s
+                        if self.num_reconnects:
+                            logger.info(
+                                "output-rate: control plane at %s answered (replica %d of %d)",
+                                self.endpoint,
+                                self.endpoint_index + 1,
+                                len(self.endpoints),
+                            )
+                if woke:
+                    self._wake()
+            if self._wake_read in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 4096)
+            self._on_io_tick()
+            self._flush(sock)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + self._heartbeat_interval_s
+                beat = p.Heartbeat(self.applied_version, self.engine_id, self.model, self.role)
+                with contextlib.suppress(zmq.Again):
+                    sock.send(p.encode(beat), zmq.NOBLOCK)
+            if now - last_heard > give_up_s:
+                return answered
+            if not silent and now - last_heard > self._silence_s:
+                # Once per silence: the engine asks for a snapshot (retried with backoff).
+                silent = True
+                self.num_silences += 1
+                self._inbound.put(SILENT)
+                self._wake()
+        return answered
+
+    def _prepare_frame(self, frame: bytes) -> _Inbound:
+        """Decode and prepare a snapshot here, off the applying thread."""
+        try:
+            message = p.decode(frame)
+        except p.ProtocolError:
+            return frame  # the applying thread drops and counts it
+        if not isinstance(message, p.Snapshot):
+            return frame
+        return self._prepare(message)
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while not self._outbound.empty():
+            message = self._outbound.get_nowait()
+            try:
+                sock.send(p.encode(message), zmq.NOBLOCK)
+            except zmq.Again:
+                # Not connected (or the server is not reading): acks are restated by
+                # heartbeats, a lost resync request is retried, usage is best effort.
+                return
+
+
+class PushClient(PushConnection):
+    """One engine's connection to the control plane's push endpoint: limits and fleet
+    shares into the limiter, usage and demand out."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Engine-thread state.
+        self.table = LimitTable()
+        self._last_usage_at = time.monotonic()
+        # A report not sent yet (interval, granted, throttled, would-throttle), and when
+        # the last one went; the engine thread and the IO thread both take it, under the lock.
+        self._usage_lock = threading.Lock()
+        self._held_usage: tuple[float, dict[str, int], dict[str, int], dict[str, int]] | None = None
+        self._last_usage_sent_at = float("-inf")
+        # user -> streams, as the control plane last heard them from this engine
+        self.demand_sent: dict[str, int] = {}
+        self._full_demand_due = True
+        self._last_full_demand_at = 0.0
+        # What the current apply_pending call applies to (the scheduler's limiter and clock).
+        self._limiter: OutputRateLimiter | None = None
+        self._now_ns: int | None = None
 
     @property
     def demand_due(self) -> bool:
@@ -262,29 +583,10 @@ class PushClient:
                     "fleet limits fall back to safe shares (limit / %d engines)",
                     self.table.num_engines,
                 )
-        inbound = self._inbound
-        if inbound.empty() and not self._resyncing:
+        if self._inbound.empty() and not self._resyncing:
             return 0
-        num_applied = 0
-        while not inbound.empty():
-            item = inbound.get_nowait()
-            if item is SILENT:
-                self._request_resync("the control plane is silent")
-                continue
-            try:
-                if isinstance(item, _PreparedSnapshot):
-                    num_applied += self._install(item, limiter)
-                else:
-                    num_applied += self._handle(p.decode(item), limiter, now_ns)
-            except p.ProtocolError as e:
-                self.num_dropped += 1
-                logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
-                # Whatever it carried is lost: only a snapshot is safe now.
-                self._request_resync("bad message")
-        if self._resyncing and time.monotonic() - self._resync_asked_at > self._resync_wait_s:
-            self._resync_wait_s = min(2 * self._resync_wait_s, MAX_RESYNC_WAIT_S)
-            self._request_resync("no snapshot yet")
-        return num_applied
+        self._limiter, self._now_ns = limiter, now_ns
+        return self._drain()
 
     def report_usage(
         self,
@@ -356,245 +658,44 @@ class PushClient:
             part = dict(items[start : start + step])
             self._send(p.Demand(self.engine_id, full and start == 0, part))
 
-    def _install(self, snapshot: _PreparedSnapshot, limiter: OutputRateLimiter) -> int:
-        # Always taken: the database is the truth, even if it went back (a restore).
-        table = snapshot.table
+    def _on_io_tick(self) -> None:
+        self._send_held_usage(time.monotonic())
+
+    def _prepare(self, snapshot: p.Snapshot) -> _PreparedSnapshot:
+        return _PreparedSnapshot.of(snapshot)
+
+    def _install_snapshot(self, prepared: Prepared) -> None:
+        assert isinstance(prepared, _PreparedSnapshot) and self._limiter is not None
+        table = prepared.table
         table.adopt_fleet(self.table)
-        millis = snapshot.millis
+        millis = prepared.millis
         if table.fleet.shares:
             millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
         self.table = table
-        limiter.replace_all_milli(
-            snapshot.default_milli,
+        self._limiter.replace_all_milli(
+            prepared.default_milli,
             millis,
             default_shadow=table.default_is_shadow,
             shadow_users=table.shadow_users(millis),
         )
         # A snapshot follows every new connection: the server hears the whole demand.
         self._full_demand_due = True
-        self.applied_version = snapshot.version
-        self.has_snapshot = True
-        self._resyncing = False
-        self._resync_wait_s = self._resync_retry_s
-        self._send(p.Ack(self.engine_id, snapshot.version))
-        return 1
 
-    def _handle(
-        self, message: p.Message, limiter: OutputRateLimiter, now_ns: int | None = None
-    ) -> int:
-        if isinstance(message, p.Snapshot):
-            return self._install(_PreparedSnapshot.of(message), limiter)
-        if isinstance(message, p.Shares):
-            now_ns = time.monotonic_ns() if now_ns is None else now_ns
-            if self.table.apply_shares(message, limiter, now_ns):
-                fleet = self.table.fleet
-                assert fleet.epoch is not None
-                self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))
-            else:
-                # A gap in the share messages: the server answers a full demand
-                # report with a full table of this engine's shares.
-                self._full_demand_due = True
-            return 0
-        if isinstance(message, p.Delta):
-            if self._resyncing or message.version <= self.applied_version:
-                return 0  # a duplicate, or older than the snapshot on its way
-            if message.version != self.applied_version + 1:
-                self._request_resync(f"gap: have {self.applied_version}, got {message.version}")
-                return 0
-            for op in message.ops:
-                self.table.apply(op, limiter)
-            self.applied_version = message.version
-            self._send(p.Ack(self.engine_id, message.version))
-            return 1
-        if isinstance(message, p.Heartbeat):
-            # The server sends its heartbeat after every frame up to message.version.
-            if not self._resyncing and message.version != self.applied_version:
-                self._request_resync(
-                    f"server sent up to {message.version}, applied {self.applied_version}"
-                )
-            return 0
-        raise p.ProtocolError(f"unexpected {type(message).__name__} from the control plane")
+    def _apply_op(self, op: p.Op) -> None:
+        assert self._limiter is not None
+        self.table.apply(op, self._limiter)
 
-    def _request_resync(self, reason: str) -> None:
-        logger.info("output-rate: requesting a snapshot (%s)", reason)
-        self.num_resyncs += 1
-        self._resyncing = True
-        self._resync_asked_at = time.monotonic()
-        self._send(p.Resync(self.engine_id, self.applied_version))
-
-    def _send(self, message: p.Message) -> None:
-        self._outbound.put(message)
-        self._poke()
-
-    def _poke(self) -> None:
-        # A full pipe means the IO thread is already due to wake up.
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_write, b"\0")
-
-    # ---- IO thread: moves frames, reconnects ----------------------------
-
-    def _connect(self, context: zmq.Context) -> zmq.Socket:
-        sock = make_socket(
-            context,
-            zmq.DEALER,
-            server_public_key=self._server_public_key,
-            client_secret_key=self._client_secret_key,
-        )
-        # Transport liveness (ZMTP heartbeats): a dead TCP peer is dropped and redialled
-        # by ZMQ itself; the protocol's own heartbeats detect a silent server.
-        ivl_ms = int(self._heartbeat_interval_s * 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._reconnect_after_s * 1000))
-        if self.endpoint.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)  # else ZMQ never dials an IPv6 address
-        sock.connect(self.endpoint)
-        # A new connection always starts with a snapshot: HELLO makes the server send one.
-        hello = p.Hello(self.engine_id, self.model, self.applied_version)
-        sock.send(p.encode(hello), zmq.NOBLOCK)
-        return sock
-
-    def _io_loop(self) -> None:
-        context = zmq.Context()
-        sock: zmq.Socket | None = None
-        # New sockets in a row on which no replica answered (throttles the log).
-        num_unanswered = 0
-        try:
-            while not self._stop.is_set():
-                answered = False
-                try:
-                    sock = self._connect(context)
-                    answered = self._serve(sock)
-                except zmq.ZMQError as e:
-                    logger.warning("output-rate: control plane socket error: %s", e)
-                    self._stop.wait(0.5)
-                finally:
-                    if sock is not None:
-                        sock.close(linger=0)
-                        sock = None
-                if not self._stop.is_set():
-                    self.num_reconnects += 1
-                    num_unanswered = 0 if answered else num_unanswered + 1
-                    log = num_unanswered <= 1 or num_unanswered % 20 == 0
-                    self._move_on(answered=answered, log=log)
-        finally:
-            context.term()
-
-    def _move_on(self, *, answered: bool, log: bool) -> None:
-        """To the next replica (round robin); with one endpoint, a new socket to it."""
-        silent_at = self.endpoint
-        self.endpoint_index = (self.endpoint_index + 1) % len(self.endpoints)
-        if not log:
+    def _handle_other(self, message: p.Message) -> None:
+        if not isinstance(message, p.Shares):
+            super()._handle_other(message)
             return
-        if len(self.endpoints) == 1:
-            logger.warning(
-                "output-rate: no word from the control plane at %s for %.1fs; "
-                "new connection, keeping the last limits (down, unreachable, or "
-                "a CURVE key mismatch)",
-                silent_at,
-                self._reconnect_after_s,
-            )
-            return
-        logger.warning(
-            "output-rate: no word from the control plane at %s for %.1fs; moving to "
-            "replica %d of %d at %s, keeping the last limits (down, unreachable, or "
-            "a CURVE key mismatch)",
-            silent_at,
-            self._reconnect_after_s if answered else self._silence_s,
-            self.endpoint_index + 1,
-            len(self.endpoints),
-            self.endpoint,
-        )
-
-    def _serve(self, sock: zmq.Socket) -> bool:
-        """Move frames until the server stays silent for reconnect_after_s, or close;
-        return whether it answered on this socket.
-
-        A restarted server on the same endpoint needs no new socket: ZMQ redials,
-        and the server answers the next heartbeat from this unknown peer with a
-        snapshot. A silence of silence_s makes the engine ask for a snapshot; only a
-        long one makes a new socket (a new HELLO, to the next replica if there are
-        several). A replica that has not answered on this socket yet is left after
-        silence_s: the next one costs nothing (every replica answers HELLO with a
-        snapshot), and an engine starting while the first replica is down gets its
-        snapshot within the default snapshot timeout."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
-        last_heard = time.monotonic()
-        next_heartbeat = last_heard
-        silent = answered = False
-        give_up_s = self._silence_s if len(self.endpoints) > 1 else self._reconnect_after_s
-        while not self._stop.is_set():
-            timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
-            events = dict(poller.poll(timeout_ms))
-            if sock in events:
-                woke = heard = False
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    kind = p.peek_type(frame)
-                    if kind == p.SNAPSHOT:
-                        self._inbound.put(self._prepare(frame))
-                        self._snapshot_seen.set()
-                    else:
-                        self._inbound.put(frame)
-                    woke = woke or kind != p.HEARTBEAT
-                    heard = True
-                if heard:
-                    last_heard = time.monotonic()
-                    silent = False
-                    if not answered:
-                        answered = True
-                        give_up_s = self._reconnect_after_s
-                        if self.num_reconnects:
-                            logger.info(
-                                "output-rate: control plane at %s answered (replica %d of %d)",
-                                self.endpoint,
-                                self.endpoint_index + 1,
-                                len(self.endpoints),
-                            )
-                if woke:
-                    self._wake()
-            if self._wake_read in events:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_read, 4096)
-            self._send_held_usage(time.monotonic())
-            self._flush(sock)
-            now = time.monotonic()
-            if now >= next_heartbeat:
-                next_heartbeat = now + self._heartbeat_interval_s
-                beat = p.Heartbeat(self.applied_version, self.engine_id, self.model)
-                with contextlib.suppress(zmq.Again):
-                    sock.send(p.encode(beat), zmq.NOBLOCK)
-            if now - last_heard > give_up_s:
-                return answered
-            if not silent and now - last_heard > self._silence_s:
-                # Once per silence: the engine asks for a snapshot (retried with backoff).
-                silent = True
-                self.num_silences += 1
-                self._inbound.put(SILENT)
-                self._wake()
-        return answered
-
-    @staticmethod
-    def _prepare(frame: bytes) -> _Inbound:
-        """Decode and flatten a snapshot here, off the engine thread."""
-        try:
-            message = p.decode(frame)
-        except p.ProtocolError:
-            return frame  # the engine thread drops and counts it
-        if not isinstance(message, p.Snapshot):
-            return frame
-        return _PreparedSnapshot.of(message)
-
-    def _flush(self, sock: zmq.Socket) -> None:
-        while not self._outbound.empty():
-            message = self._outbound.get_nowait()
-            try:
-                sock.send(p.encode(message), zmq.NOBLOCK)
-            except zmq.Again:
-                # Not connected (or the server is not reading): acks are restated by
-                # heartbeats, a lost resync request is retried, usage is best effort.
-                return
+        assert self._limiter is not None
+        now_ns = time.monotonic_ns() if self._now_ns is None else self._now_ns
+        if self.table.apply_shares(message, self._limiter, now_ns):
+            fleet = self.table.fleet
+            assert fleet.epoch is not None
+            self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))
+        else:
+            # A gap in the share messages: the server answers a full demand
+            # report with a full table of this engine's shares.
+            self._full_demand_due = True

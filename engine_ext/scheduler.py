@@ -33,7 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
-from engine_ext.limiter import ANONYMOUS_USER, OutputRateLimiter
+from engine_ext.limiter import ANONYMOUS_USER, USER_ARG, OutputRateLimiter
 from engine_ext.metrics import PAYLOAD_FIELD, SchedulerFigures, encode_snapshot
 from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, ReclaimStats, Slots, StepPlan, StepPlanner
 from engine_ext.stat_logger import engine_metrics_for
@@ -51,7 +51,6 @@ __all__ = [
     "request_user",
 ]
 
-USER_ARG = "output_rate_user"
 MAX_WAIT_S = 0.05
 # How often idle limiter state and rotation bookkeeping are pruned.
 CLEANUP_INTERVAL_STEPS = 256

@@ -17,6 +17,9 @@ What the product depends on, by module:
   ``additional_config``, pick the scheduler class. ``BEAM_SEARCH_PATCHES``:
   ``OpenAIServingCompletion.create_completion`` and
   ``OpenAIServingChat.create_chat_completion`` answer beam search with a 400.
+- identity.py (no patch): vLLM's own ``--middleware`` list (``args.middleware``, each
+  class added with ``app.add_middleware``, outermost) takes ``IdentityMiddleware``; the
+  plugin appends it in ``from_cli_args``.
 - engine_core.py (rows of ``PATCHES``): ``EngineCoreProc.run_busy_loop`` and
   ``_process_engine_step``; through the functions below, ``input_queue`` and
   ``_handle_client_request``: the idle wait on the input queue; ``engine_index``

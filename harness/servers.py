@@ -55,6 +55,7 @@ def vllm_env() -> dict[str, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     # Set in a test process that parsed limit flags; a server decides for itself.
     env.pop("VLLM_OUTPUT_RATE_LIMITING", None)
+    env.pop("VLLM_OUTPUT_RATE_IDENTITY", None)
     # The async launcher is imported as harness.cpu_async_server.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env

@@ -63,6 +63,7 @@ DEMAND = 8
 SHARES = 9
 SHARE_ACK = 10
 KEY_USE = 11
+GOODBYE = 12
 
 # Fleet shares (docs/fleet.md) are in milli-tokens/s, so that an engine with demand
 # always holds a share (>= 1) and shares sum exactly to a limit.
@@ -278,6 +279,11 @@ class KeyUse(msgspec.Struct, frozen=True):
     used: dict[KeyId, Annotated[float, msgspec.Meta(ge=0, le=2**40)]]
 
 
+class Goodbye(msgspec.Struct, frozen=True):
+    """Control plane -> engine, when a replica shuts down cleanly: move to the next
+    replica now instead of waiting for silence (the engine keeps what it holds)."""
+
+
 Message = (
     Hello
     | Snapshot
@@ -290,6 +296,7 @@ Message = (
     | Shares
     | ShareAck
     | KeyUse
+    | Goodbye
 )
 
 TYPES: dict[int, type[Message]] = {
@@ -304,6 +311,7 @@ TYPES: dict[int, type[Message]] = {
     SHARES: Shares,
     SHARE_ACK: ShareAck,
     KEY_USE: KeyUse,
+    GOODBYE: Goodbye,
 }
 TYPE_OF: dict[type[Message], int] = {cls: code for code, cls in TYPES.items()}
 

@@ -22,6 +22,27 @@ def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(conn.execute(query).scalars())
 
 
+def applied_engine_ids(conn: Connection) -> set[str]:
+    """Engines that applied a version (an engine core, or an API server)."""
+    query = select(engines.c.engine_id).where(
+        (engines.c.applied_version > 0) | engines.c.api_applied_version.is_not(None)
+    )
+    return set(conn.execute(query).scalars())
+
+
+def delete_never_applied_before(conn: Connection, cutoff: datetime) -> int:
+    """Rows of engines that never applied a version, seen last before ``cutoff``."""
+    result = conn.execute(
+        delete(engines).where(
+            engines.c.last_seen < cutoff,
+            engines.c.applied_version == 0,
+            engines.c.api_applied_version.is_(None),
+            engines.c.connected.is_(False),
+        )
+    )
+    return int(result.rowcount or 0)
+
+
 def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     if rows:
         conn.execute(insert(engines), list(rows))

@@ -31,6 +31,11 @@ class EngineSeen:
     role: p.Role = p.ENGINE_ROLE
 
 
+# A row of an engine that never applied a version (it connected and never acknowledged
+# its snapshot) goes this long after it was last seen, not after the full retention.
+NEVER_APPLIED_RETENTION_S = 60.0
+
+
 @service("read")
 def list_engines(
     conn: Connection,
@@ -63,9 +68,19 @@ def list_engines(
 
 
 @service("write")
-def forget_engines(conn: Connection, *, retention_s: float) -> int:
-    """Delete the rows of engines not seen for `retention_s`; how many went."""
-    return repo.delete_engines_seen_before(conn, datetime.now(UTC) - timedelta(seconds=retention_s))
+def forget_engines(
+    conn: Connection, *, retention_s: float, never_applied_s: float = NEVER_APPLIED_RETENTION_S
+) -> int:
+    """Delete the rows of engines not seen for `retention_s`, and of those that never
+    applied a version not seen for `never_applied_s`; how many went."""
+    now = datetime.now(UTC)
+    num = repo.delete_engines_seen_before(conn, now - timedelta(seconds=retention_s))
+    return num + repo.delete_never_applied_before(conn, now - timedelta(seconds=never_applied_s))
+
+
+@service("read")
+def applied_engine_ids(conn: Connection) -> set[str]:
+    return repo.applied_engine_ids(conn)
 
 
 @service("write")

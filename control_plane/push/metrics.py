@@ -16,13 +16,21 @@ class PushCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        everyone = list(self._server.peers.values())
+        bound = list(self._server.peers.values())
+        # Connections that have not acknowledged a snapshot are no engine yet.
+        everyone = [peer for peer in bound if peer.proven]
         peers = [peer for peer in everyone if peer.role == p.ENGINE_ROLE]
         connected = GaugeMetricFamily(
             "output_rate_engines_connected", "Engines connected to the push endpoint"
         )
         connected.add_metric([], len({peer.engine_id for peer in peers}))
         yield connected
+        unproven = GaugeMetricFamily(
+            "output_rate_push_unproven_connections",
+            "Connections bound to an engine id that have not acknowledged a snapshot yet",
+        )
+        unproven.add_metric([], len(bound) - len(everyone))
+        yield unproven
         applied = GaugeMetricFamily(
             "output_rate_engine_applied_version",
             "Config version each connected engine applied",
@@ -47,7 +55,19 @@ class PushCollector(Collector):
         yield dropped
         refused = CounterMetricFamily(
             "output_rate_push_snapshots_refused",
-            "HELLO/RESYNC left unanswered: that connection got a snapshot within the last second",
+            "HELLO/RESYNC left unanswered: that connection got a snapshot within the last "
+            "second, or has not acknowledged the last one",
         )
         refused.add_metric([], self._server.num_snapshots_refused)
         yield refused
+        sent = CounterMetricFamily(
+            "output_rate_push_snapshots_sent", "Snapshots queued for engine connections"
+        )
+        sent.add_metric([], self._server.num_snapshots_sent)
+        yield sent
+        unsent = CounterMetricFamily(
+            "output_rate_push_frames_unsent",
+            "Frames not queued because the connection's queue was full (it does not read)",
+        )
+        unsent.add_metric([], self._server.num_frames_unsent)
+        yield unsent

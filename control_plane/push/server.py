@@ -18,7 +18,9 @@ to one engine id and role by its first HELLO (or, after a server restart, its fi
 HEARTBEAT/RESYNC). The bind is refused, and logged, when that (id, role) is held by
 another live connection, or when the connection's CURVE key is listed with other
 engine ids. ACK, HEARTBEAT and USAGE count only from a bound connection under its
-own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S.
+own id. Snapshots go to one connection at most once per SNAPSHOT_MIN_INTERVAL_S, and
+only once it acknowledged the last one (or SNAPSHOT_UNREAD_RESEND_S passed); at most
+PEER_SEND_HWM frames wait for one connection (docs/live-push.md, "Slow readers").
 
 Roles (docs/control-plane.md, "API keys"): an engine core (role "engine") gets the
 limits; its API server (role "api", the same engine id) gets the API keys only: a
@@ -58,14 +60,28 @@ STATUS_FLUSH_INTERVAL_S = 0.2
 # At most one snapshot per connection this often, whatever asks for it (HELLO, RESYNC,
 # a pruned change log); below the engines' retry period.
 SNAPSHOT_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
+# A peer gets its next snapshot only once it acknowledged the last one, or after this
+# long (a snapshot lost on the way): a peer that does not read cannot make the server
+# queue snapshot after snapshot for it.
+SNAPSHOT_UNREAD_RESEND_S = 30.0
+# Frames queued for one peer before ZMQ drops further frames to it (the peer then sees
+# a gap and asks for a snapshot): a reading engine drains deltas as fast as they come.
+PEER_SEND_HWM = 64
 # Engine messages handled before the loop publishes and beats again.
 MAX_MESSAGES_PER_DRAIN = 1000
 # Connections bound to an engine at once; more are refused (each holds a snapshot's
 # worth of socket buffer while it reads).
 MAX_PEERS = 1024
+# Connections that have not proved themselves yet (acknowledged a snapshot) at once, and
+# how long one may stay so: a flood of fresh engine ids takes at most these slots, for at
+# most that long, and never a known engine's (docs/live-push.md, "Unproven connections").
+MAX_UNPROVEN_PEERS = 64
+UNPROVEN_GRACE_S = 10.0
 # Malformed or refused engine messages: the first of each kind is logged, then one
 # summary line per this interval with the counts.
 DROP_LOG_INTERVAL_S = 60.0
+# How long a closing server's socket keeps trying to deliver its goodbyes.
+GOODBYE_LINGER_MS = 500
 # Engine rows not seen for the retention are deleted this often.
 RETENTION_SWEEP_INTERVAL_S = 60.0
 # The ops each role receives of a delta (the rest are left out, the version kept).
@@ -123,7 +139,21 @@ class Peer:
     applied_version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     last_snapshot_at: float = float("-inf")
+    # The version of a snapshot sent and not acknowledged yet (None: none in flight).
+    unread_snapshot: int | None = None
+    # It acknowledged a snapshot here, or its engine id applied one before: only then is
+    # it shown in GET /engines and exempt from the unproven bound.
+    proven: bool = False
+    bound_at: float = field(default_factory=time.monotonic)
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+def _snapshot_due(peer: Peer, now: float) -> bool:
+    """Whether a peer that asks for a snapshot gets one now (at most one in flight)."""
+    elapsed = now - peer.last_snapshot_at
+    if peer.unread_snapshot is not None:
+        return elapsed >= SNAPSHOT_UNREAD_RESEND_S
+    return elapsed >= SNAPSHOT_MIN_INTERVAL_S
 
 
 class _AllowedKeys:
@@ -181,6 +211,12 @@ class PushServer:
         self.drops = DropLog()
         # HELLO/RESYNC answered with nothing: a snapshot went to that connection just now.
         self.num_snapshots_refused = 0
+        self.num_snapshots_sent = 0
+        self.num_unproven = 0
+        # Engine ids that applied a version here before (loaded at start, then as peers
+        # prove themselves): they bind whatever the unproven connections hold.
+        self._known_ids: set[str] = set()
+        self.num_frames_unsent = 0
         self._next_sweep = 0.0
         self._context = zmq.Context()
         self._authenticator: Any = None
@@ -275,6 +311,9 @@ class PushServer:
             server_secret_key=self._secret_key,
             max_message_bytes=p.MAX_ENGINE_MESSAGE_BYTES,
         )
+        router.setsockopt(zmq.SNDHWM, PEER_SEND_HWM)
+        # A full queue raises Again instead of dropping in silence (see _send).
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.bind(self.endpoint)
         if self.endpoint.endswith(":0"):
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -283,6 +322,7 @@ class PushServer:
         self._wake_sender = make_socket(self._context, zmq.PAIR)
         self._wake_sender.connect(self._wake_address)
         self._mark_all_disconnected()
+        self._known_ids = self._db.run_now(engines.applied_engine_ids)
         self._thread = threading.Thread(
             target=self._loop, args=(router, wake_receiver), name="output-rate-push", daemon=True
         )
@@ -351,7 +391,12 @@ class PushServer:
                     logger.exception("output-rate push loop error")
                     self._stop.wait(0.5)
         finally:
-            router.close(linger=0)
+            # Shutting down: tell every peer, so engines move to another replica at once
+            # (the frames get a moment to leave before the socket goes).
+            goodbye = p.encode(p.Goodbye())
+            for identity in list(self.peers):
+                self._send(router, identity, goodbye)
+            router.close(linger=GOODBYE_LINGER_MS)
             wake.close(linger=0)
 
     def _drain(self, router: zmq.Socket) -> None:
@@ -378,7 +423,7 @@ class PushServer:
     ) -> None:
         now = time.monotonic()
         peer = self.peers.get(identity)
-        if isinstance(message, p.Snapshot | p.Delta | p.Shares):
+        if isinstance(message, p.Snapshot | p.Delta | p.Shares | p.Goodbye):
             self.drops.note("server-only message from an engine")
             return
         if peer is None:
@@ -416,7 +461,7 @@ class PushServer:
             # engine that missed it asks again later.
             if isinstance(message, p.Hello) and message.model:
                 peer.model = message.model
-            if now - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S:
+            if _snapshot_due(peer, now):
                 self._send_snapshot(router, identity, peer)
             else:
                 self.num_snapshots_refused += 1
@@ -424,6 +469,10 @@ class PushServer:
             # An engine's heartbeat restates what it applied (a lost ack is harmless).
             if message.version <= peer.sent_version:
                 peer.applied_version = message.version
+            unread = peer.unread_snapshot
+            if isinstance(message, p.Ack) and unread is not None and message.version >= unread:
+                peer.unread_snapshot = None
+                self._prove(peer)
         elif isinstance(message, p.KeyUse):
             if peer.role != p.API_ROLE:
                 self.drops.note("key use from an engine core", repr(peer.engine_id))
@@ -485,15 +534,40 @@ class PushServer:
         if len(self.peers) >= MAX_PEERS:
             self.drops.note("too many connections", f"at most {MAX_PEERS}")
             return None
-        peer = self.peers[identity] = Peer(engine_id=engine_id, model=model, role=role, key=key)
+        known = engine_id in self._known_ids
+        if not known and self.num_unproven >= MAX_UNPROVEN_PEERS:
+            self.drops.note(
+                "too many connections that have not acknowledged a snapshot",
+                f"at most {MAX_UNPROVEN_PEERS}",
+            )
+            return None
+        peer = self.peers[identity] = Peer(
+            engine_id=engine_id, model=model, role=role, key=key, proven=known, bound_at=now
+        )
         peer.last_seen = now
         self._owners[engine_id, role] = identity
-        self._dirty.add(identity)
+        if known:
+            self._dirty.add(identity)
+        else:
+            self.num_unproven += 1
         return peer
+
+    def _prove(self, peer: Peer) -> None:
+        """A peer acknowledged a snapshot: it reads and speaks the protocol."""
+        if peer.proven:
+            return
+        peer.proven = True
+        self.num_unproven -= 1
+        self._known_ids.add(peer.engine_id)
+        identity = self._owners.get((peer.engine_id, peer.role))
+        if identity is not None:
+            self._dirty.add(identity)
 
     def _forget(self, identity: bytes) -> Peer | None:
         peer = self.peers.pop(identity, None)
         self._dirty.discard(identity)
+        if peer is not None and not peer.proven:
+            self.num_unproven -= 1
         if peer is not None and self._owners.get((peer.engine_id, peer.role)) == identity:
             del self._owners[peer.engine_id, peer.role]
         return peer
@@ -520,9 +594,12 @@ class PushServer:
 
     def _send_snapshot(self, router: zmq.Socket, identity: bytes, peer: Peer) -> None:
         version, frame = self._snapshot_frame(peer.role)
-        self._send(router, identity, frame)
+        queued = self._send(router, identity, frame)
         peer.sent_version = version
         peer.last_snapshot_at = time.monotonic()
+        # A snapshot that could not even be queued is not waiting to be read.
+        peer.unread_snapshot = version if queued else None
+        self.num_snapshots_sent += queued
 
     def _publish(self, router: zmq.Socket) -> None:
         if self.fleet is not None:
@@ -557,25 +634,34 @@ class PushServer:
                 while peer.sent_version + 1 in frames:
                     self._send(router, identity, frames[peer.sent_version + 1])
                     peer.sent_version += 1
-            elif (
-                peer.sent_version < newest
-                and time.monotonic() - peer.last_snapshot_at >= SNAPSHOT_MIN_INTERVAL_S
-            ):
+            elif peer.sent_version < newest and _snapshot_due(peer, time.monotonic()):
                 # Its next version is not in the log (pruned, or unsendable): start over
                 # (within the snapshot rate limit; the next poll tries again).
                 self._send_snapshot(router, identity, peer)
 
-    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> None:
-        """The single send path (the fault-injection seam of the tests)."""
-        # Again: a peer that does not read; its heartbeat shows the gap and it resyncs.
-        with contextlib.suppress(zmq.Again):
+    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> bool:
+        """The single send path (the fault-injection seam of the tests): whether the frame
+        was queued. Not when the peer's queue is full (it does not read: its heartbeat
+        will show the gap and it resyncs) or the peer is gone."""
+        try:
             router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_frames_unsent += 1
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def _beat(self, router: zmq.Socket, now: float) -> None:
         for identity, peer in list(self.peers.items()):
+            if not peer.proven and now - peer.bound_at > UNPROVEN_GRACE_S:
+                self._forget(identity)  # it never acknowledged its snapshot: no row to mark
+                continue
             if now - peer.last_seen > self._engine_timeout_s:
                 self._forget(identity)
-                if (peer.engine_id, peer.role) not in self._owners:
+                if peer.proven and (peer.engine_id, peer.role) not in self._owners:
                     self._set_disconnected(peer.engine_id, peer.role)
                 continue
             # Sent after every frame up to sent_version: the engine checks it holds that.
@@ -599,7 +685,7 @@ class PushServer:
                 role=peer.role,
             )
             for peer in (self.peers.get(identity) for identity in self._dirty)
-            if peer is not None
+            if peer is not None and peer.proven
         }
         self._dirty.clear()
         try:

@@ -145,7 +145,8 @@ class LeaseKeeper:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         term = self.term
         if term is not None:
             try:

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,8 @@ def serve(
     *,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    python_args: Sequence[str] = ("-m", "control_plane.cli"),
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[Served]:
     port = free_port()
     zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -56,11 +58,12 @@ def serve(
     log = workdir / f"serve-{port}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port), *extra_args],
+            [sys.executable, *python_args, "serve", "--port", str(port), *extra_args],
             cwd=workdir,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
     served = Served(
         url=f"http://127.0.0.1:{port}", process=process, log=log, zmq_endpoint=zmq_endpoint

@@ -11,7 +11,7 @@ import zmq
 from sqlalchemy import create_engine, inspect
 
 from control_plane import __version__
-from control_plane.cli import main, safe_database_url, startup_summary
+from control_plane.cli import connection_summary, main, safe_database_url, startup_summary
 from control_plane.models import Base
 from control_plane.settings import Settings
 
@@ -44,6 +44,19 @@ def test_summary_masks_the_password_and_says_what_is_on() -> None:
     assert "http://[::1]:8700/" in text
     assert "auth:     OFF" in text
     assert "CURVE OFF" in text
+
+
+def test_summary_says_the_connection_bounds_and_the_open_file_limit() -> None:
+    from control_plane.http_server import OpenFileLimit, guarded_protocol, http_limits
+
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    protocol = guarded_protocol(http_limits(settings, 1024))
+    text = connection_summary(settings, protocol, OpenFileLimit(1024, 1024))
+    assert "at most 672 connections (then 503, over 768 closed unread)" in text
+    assert "head 10 s, idle 10 s, keep-alive 5 s (httptools)" in text
+    assert text.endswith("files:    open-file limit 1024")
+    raised = connection_summary(settings, protocol, OpenFileLimit(524288, 1024))
+    assert raised.endswith("open-file limit 524288 (raised from 1024)")
 
 
 def test_passwords_are_never_shown() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import threading
 
 from sqlalchemy import Connection
@@ -81,4 +82,63 @@ def test_reads_after_an_inline_write_do_not_take_the_write_lock(db_url: str) -> 
         return rates
 
     assert asyncio.run(main()) == [5, 5, 5]
+    db.dispose()
+
+
+# A process with every file descriptor taken, after `open_connections`: a bulk write (the
+# writer thread), a small write (the loop on SQLite) and a usage flush (its own thread,
+# from the pool) still commit, and no descriptor came free meanwhile.
+NO_FILES_LEFT = """
+import asyncio, json, os, sys, threading
+from control_plane.db import Database, make_engine
+from control_plane.limits import service as limits
+from control_plane.usage import service as usage
+
+db = Database(make_engine(sys.argv[1]))
+db.open_connections()
+loop = asyncio.new_event_loop()
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+items = [limits.UserItem(user=f"bulk-{i}", rate=5, tier=None) for i in range(10_000)]
+bulk = loop.run_until_complete(db.run(limits.bulk_put_limits, actor="t", items=items))
+put = loop.run_until_complete(
+    db.run(limits.put_limit, actor="t", user="one", rate=7, tier=None)
+)
+flush = threading.Thread(
+    target=db.run_now, args=(usage.record_usage,), kwargs={"counts": {("one", 0): (5, 1)}}
+)
+flush.start()
+flush.join()
+try:
+    os.open(os.devnull, os.O_RDONLY)
+    still_full = False
+except OSError:
+    still_full = True
+print(json.dumps([len(held), bulk.result.num_changed, put.result.version, still_full]))
+"""
+
+
+def test_writes_commit_with_no_file_descriptor_left(db_url: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", NO_FILES_LEFT, db_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)),
+    )
+    assert run.returncode == 0, run.stderr
+    num_held, num_changed, version, still_full = json.loads(run.stdout)
+    assert num_held > 100 and still_full
+    assert (num_changed, version) == (10_000, 2)
+    db = Database(make_engine(db_url))
+    assert db.read_now(limits.get_limit, user="one").output_tokens_per_second == 7
+    assert db.read_now(limits.get_limit, user="bulk-9999").output_tokens_per_second == 5
     db.dispose()

@@ -71,6 +71,15 @@ def _bad_settings() -> list[tuple[dict[str, str], str]]:
         ({"OUTPUT_RATE_KEY_CREATION_BURST": "1.5"}, "OUTPUT_RATE_KEY_CREATION_BURST"),
         ({"OUTPUT_RATE_KEY_CREATION_BURST": "-1"}, "OUTPUT_RATE_KEY_CREATION_BURST"),
         *(({history: value}, history) for value in ("0", "100001", "lots", "2.5")),
+        ({"OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S": "0"}, "OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S": "nan"}, "OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S": "-1"}, "OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S": "301"}, "OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S": "0"}, "OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S": "1.5"}, "OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_MAX_CONNECTIONS": "0"}, "OUTPUT_RATE_HTTP_MAX_CONNECTIONS"),
+        # More than any open-file limit leaves: refused at start, before the database.
+        ({"OUTPUT_RATE_HTTP_MAX_CONNECTIONS": str(10**9)}, "OUTPUT_RATE_HTTP_MAX_CONNECTIONS"),
     ]
 
 

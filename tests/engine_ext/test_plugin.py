@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
+from engine_ext.identity import IDENTITY_ENV, MIDDLEWARE, IdentityConfig
 from engine_ext.plugin import (
     ASYNC_SCHEDULER,
     LIMITING_ENV,
@@ -160,3 +165,103 @@ def test_metrics_flags_reach_the_engine_config() -> None:
     )
     rate_config = OutputRateConfig.from_vllm_config(config)
     assert (rate_config.metrics_max_users, rate_config.metrics_idle_s) == (3, 5.0)
+
+
+# ---- identity modes (docs/identity.md) ----------------------------------------------
+
+CP = ["--control-plane-endpoint", "tcp://127.0.0.1:1"]
+
+
+@pytest.fixture
+def _identity_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # from_cli_args sets it for the API server processes; each test starts without it.
+    monkeypatch.delenv(IDENTITY_ENV, raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+
+
+def from_cli_args(*flags: str) -> tuple[Any, AsyncEngineArgs]:
+    args = parse(*flags)
+    return args, AsyncEngineArgs.from_cli_args(args)
+
+
+@pytest.mark.usefixtures("_identity_env")
+def test_header_mode_adds_the_middleware_and_its_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args, _ = from_cli_args(
+        "--default-user-output-tokens-per-second",
+        "5",
+        "--output-rate-identity",
+        "header",
+        "--output-rate-identity-header",
+        "X-User",
+        "--middleware",
+        "some.Other",
+    )
+    assert args.middleware == ["some.Other", MIDDLEWARE]
+    config = IdentityConfig.from_env()
+    assert (config.mode, config.header, config.missing) == ("header", "X-User", "refuse")
+
+
+@pytest.mark.usefixtures("_identity_env")
+def test_api_key_mode_connects_as_the_engine_with_role_api() -> None:
+    args, _ = from_cli_args(
+        *CP, "--output-rate-engine-id", "eng-1", "--output-rate-identity", "api-key"
+    )
+    assert args.middleware == [MIDDLEWARE]
+    config = IdentityConfig.from_env()
+    assert (config.mode, config.engine_id, config.control_plane_endpoints) == (
+        "api-key",
+        "eng-1",
+        (CP[1],),
+    )
+    assert config.model == str(TINY_MODEL)
+
+
+@pytest.mark.usefixtures("_identity_env")
+def test_body_mode_adds_nothing_and_says_identities_are_not_authenticated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm.output_rate")
+    args, _ = from_cli_args("--default-user-output-tokens-per-second", "5")
+    assert MIDDLEWARE not in args.middleware
+    assert IDENTITY_ENV not in os.environ
+    assert sum("not authenticated" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.usefixtures("_identity_env")
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--output-rate-identity", "header"], "--output-rate-identity-header NAME"),
+        (["--output-rate-identity-header", "X-User"], "only used with --output-rate-identity"),
+        (["--output-rate-identity-missing", "anonymous"], "only used with"),
+        (["--output-rate-identity", "api-key"], "needs --control-plane-endpoint"),
+        ([*CP, "--output-rate-identity", "api-key", "--api-key", "k"], "--api-key"),
+        ([*CP, "--output-rate-identity", "api-key", "--api-server-count", "2"], "count 1"),
+    ],
+)
+def test_identity_flags_that_cannot_be_are_refused_naming_the_flag(
+    flags: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match="--output-rate-identity") as e:
+        from_cli_args("--default-user-output-tokens-per-second", "5", *flags)
+    assert message in str(e.value)
+
+
+@pytest.mark.usefixtures("_identity_env")
+def test_identity_without_limits_and_vllm_api_key_env_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match="limits, which are off"):
+        from_cli_args("--output-rate-identity", "header", "--output-rate-identity-header", "X")
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    with pytest.raises(ValueError, match="VLLM_API_KEY"):
+        from_cli_args(*CP, "--output-rate-identity", "api-key")
+
+
+@pytest.mark.parametrize("name", ["X User", "X:User", "", "X-Üser"])
+def test_a_header_name_must_be_an_http_token(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--output-rate-identity", "header", "--output-rate-identity-header", name)
+    assert "HTTP header name" in capsys.readouterr().err

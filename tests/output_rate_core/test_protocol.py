@@ -35,6 +35,7 @@ MESSAGES: list[p.Message] = [
         version=3, default_rate=5, tiers={}, users={}, keys={"abcdefgh2345": ("a", "f" * 64)}
     ),
     p.KeyUse("engine-1", {"abcdefgh2345": 1_790_000_000.5}),
+    p.Goodbye(),
     p.Ack("engine-1", 13),
     p.Heartbeat(13),
     p.Heartbeat(13, "engine-1", "tiny"),

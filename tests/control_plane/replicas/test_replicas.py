@@ -8,6 +8,7 @@ seconds came through the NOTIFY wake-up.
 
 from __future__ import annotations
 
+import signal
 import statistics
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.control_plane.served import Served, serve
 
@@ -164,3 +166,40 @@ def test_readiness_says_whether_the_database_is_reachable(replicas) -> None:
     ready = httpx.get(f"{a.url}/readyz")
     assert ready.status_code == 200
     assert ready.json()["status"] == "ready" and ready.json()["database"] == "ok"
+
+
+def test_a_replica_shutting_down_sends_its_engines_to_another_at_once(replicas) -> None:
+    a, b = replicas
+    limiter = OutputRateLimiter(None)
+    client = PushClient(
+        endpoints=[a.zmq_endpoint, b.zmq_endpoint],
+        engine_id="drained",
+        model="tiny",
+        server_public_key=None,
+    )
+    client.start()
+    try:
+        wait_for(lambda: client.wait_for_snapshot(0.1), 30, "no snapshot from a")
+        client.apply_pending(limiter)
+        assert client.endpoint_index == 0
+        a.process.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        wait_for(lambda: client.endpoint_index == 1, 10, "never moved to b")
+        moved_s = time.monotonic() - stopped_at
+        # On b, and in sync with it: a write through b arrives.
+        with b.client() as http:
+            version = http.put("/limits/after", json={"output_tokens_per_second": 3}).json()[
+                "version"
+            ]
+
+        def applied() -> bool:
+            client.apply_pending(limiter)
+            return client.applied_version >= version
+
+        wait_for(applied, 10, "no delta from b")
+        print(f"\nmoved to the other replica {moved_s * 1000:.0f} ms after SIGTERM")
+        # Without the goodbye it would wait for silence (3.5 s at the least).
+        assert moved_s < p.SERVER_SILENCE_S
+        assert limiter.rate_of("after") == 3
+    finally:
+        client.close()

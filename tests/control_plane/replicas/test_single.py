@@ -54,3 +54,39 @@ def test_readiness_is_503_when_the_database_is_unreachable() -> None:
         }
         assert client.get("/healthz").status_code == 200
     db.dispose()
+
+
+def test_replicas_starting_at_once_migrate_one_after_the_other(tmp_path: Path) -> None:
+    """Three `output-rate db upgrade` at once on an empty schema: all succeed, head once."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    from tests.control_plane.factories import PG_URL
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+    try:
+        env = {**os.environ, "OUTPUT_RATE_DATABASE_URL": url}
+        upgrades = [
+            subprocess.Popen(
+                [sys.executable, "-m", "control_plane.cli", "db", "upgrade"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        outputs = [u.communicate(timeout=120)[0] for u in upgrades]
+        assert [u.returncode for u in upgrades] == [0, 0, 0], outputs
+        with admin.connect() as conn:
+            versions = conn.execute(text(f'SELECT version_num FROM "{schema}".alembic_version'))
+            assert len(versions.all()) == 1
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
