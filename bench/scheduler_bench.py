@@ -14,10 +14,11 @@ the same steps: the planner's plan and settle with the adapter applying the
 plan, and everything the mixin's schedule() adds around upstream's (the
 planner, the gate, the bookkeeping): the part of the difference that is the
 plugin's work rather than memory layout. The last column is a step when
-every request is throttled.
+every request is throttled. ``--shadow-users N``: the first N users have a shadow
+limit of 1 tok/s (refused every step if enforced: counted, served as unlimited).
 
 Run: .venv/bin/python -m bench.scheduler_bench [--steps N] [--rounds K] [--builds B]
-     [--running R [R ...]] [--streams-per-user S]
+     [--running R [R ...]] [--streams-per-user S] [--shadow-users N]
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Workload:
     # after 1 to 2x this many tokens and new ones (16-token prompts) arrive
     # in their place, so ``running`` changes most steps.
     mean_output_tokens: int = 0
+    # Users (the first ones) whose limit is a shadow limit of 1 tok/s.
+    num_shadow_users: int = 0
 
 
 def build(workload: Workload, *, limited: bool, throttled: bool = False) -> Any:
@@ -68,6 +71,9 @@ def build(workload: Workload, *, limited: bool, throttled: bool = False) -> Any:
     # Same seed for every build: each scheduler sees the same arrivals.
     rng = random.Random(num_running)
     num_users = max(1, num_running // workload.streams_per_user)
+    if limited:
+        for i in range(workload.num_shadow_users):
+            sched.output_rate_limiter.set_milli_rate(f"user-{i}", 1000, shadow=True)
 
     def top_up() -> None:
         while len(sched.requests) < num_running:
@@ -162,6 +168,12 @@ def main() -> list[str]:
         help="requests finish after 1 to 2x this many tokens and are replaced "
         "(default 0: all decode for the whole run)",
     )
+    parser.add_argument(
+        "--shadow-users",
+        type=int,
+        default=0,
+        help="the first N users have a shadow limit of 1 tok/s (default 0)",
+    )
     args = parser.parse_args()
     assert all(callable(getattr(StepPlanner if h else OutputRateMixin, n)) for h, n in OWN_CODE)
     rows = [
@@ -171,7 +183,9 @@ def main() -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for num_running in args.running:
-        workload = Workload(num_running, args.streams_per_user, args.mean_output_tokens)
+        workload = Workload(
+            num_running, args.streams_per_user, args.mean_output_tokens, args.shadow_users
+        )
         upstream = [build(workload, limited=False) for _ in range(args.builds)]
         ours = [build(workload, limited=True) for _ in range(args.builds)]
         throttled = build(workload, limited=True, throttled=True)

@@ -32,7 +32,7 @@ from output_rate_core.ids import (
     MAX_USER_ID_LEN,
 )
 from output_rate_core.keys import KEY_ID_LEN
-from output_rate_core.limits import Scope
+from output_rate_core.limits import Enforcement, Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # Replica ids (OUTPUT_RATE_REPLICA_ID, default host-pid) as stored in replica_leases.
@@ -93,6 +93,16 @@ def _scope_check(column: str) -> str:
     return f"{column} IS NULL OR {column} IN ({values})"
 
 
+# An enforcement column holds one of these; null inherits (output_rate_core.limits).
+ENFORCEMENTS: tuple[str, ...] = get_args(Enforcement)
+ENFORCEMENT_LEN = max(len(mode) for mode in ENFORCEMENTS)
+
+
+def _enforcement_check(column: str) -> str:
+    values = ", ".join(f"'{mode}'" for mode in ENFORCEMENTS)
+    return f"{column} IS NULL OR {column} IN ({values})"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: UTCDateTime()}
@@ -113,12 +123,16 @@ class ConfigState(Base):
         CheckConstraint("id = 1", name="single_row"),
         CheckConstraint(_rate_check("default_rate"), name="default_rate_range"),
         CheckConstraint(_scope_check("default_scope"), name="default_scope_valid"),
+        CheckConstraint(
+            _enforcement_check("default_enforcement"), name="default_enforcement_valid"
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     version: Mapped[int] = mapped_column(Integer, default=0)
     default_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     default_scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
+    default_enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
     # Maintained by every user write, so listing 1M users needs no COUNT(*) scan.
     num_users: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -129,11 +143,13 @@ class Tier(Base):
     __table_args__ = (
         CheckConstraint(_rate_check("rate"), name="rate_range"),
         CheckConstraint(_scope_check("scope"), name="scope_valid"),
+        CheckConstraint(_enforcement_check("enforcement"), name="enforcement_valid"),
     )
 
     name: Mapped[str] = mapped_column(_bytewise(MAX_TIER_NAME_LEN), primary_key=True)
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
+    enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
     description: Mapped[str] = mapped_column(Text, default="")
     version: Mapped[int] = mapped_column(Integer)
     # Users assigned to the tier; maintained with every user write (see num_users above).
@@ -142,12 +158,13 @@ class Tier(Base):
 
 
 class UserLimit(Base):
-    """A configured user: its tier and/or its own override rate and scope."""
+    """A configured user: its tier and/or its own override rate, scope and enforcement."""
 
     __tablename__ = "user_limits"
     __table_args__ = (
         CheckConstraint(_rate_check("rate"), name="rate_range"),
         CheckConstraint(_scope_check("scope"), name="scope_valid"),
+        CheckConstraint(_enforcement_check("enforcement"), name="enforcement_valid"),
         # Filter by tier, ordered by user: one index range for GET /limits?tier=.
         Index("ix_user_limits_tier_user", "tier", "user"),
     )
@@ -158,6 +175,7 @@ class UserLimit(Base):
     )
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
+    enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
     version: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
@@ -275,9 +293,11 @@ class UsageMinute(Base):
     user: Mapped[str] = mapped_column(_bytewise(MAX_USER_ID_LEN), primary_key=True)
     # Unix time (seconds) of the minute's start, as the control plane received the reports.
     minute: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    # Output tokens granted, request-steps refused a token (summed over engines).
+    # Output tokens granted, request-steps refused a token, request-steps a shadow limit
+    # would have refused (summed over engines).
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     throttled: Mapped[int] = mapped_column(BigInteger, default=0)
+    would_throttle: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # The user's effective limit when the minute was last written (null: unlimited).
     limit_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
 

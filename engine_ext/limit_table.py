@@ -7,8 +7,9 @@ What the limiter gets for a user (docs/fleet.md):
   (no share yet, the share is 0, or the lease ran out) the safe share: the limit
   divided by the number of engines the control plane last said the fleet has;
 - unlimited: nothing.
-Users whose limit is the default and who hold no share keep no entry of their own:
-the limiter's default rate applies to them.
+A limit in ``"shadow"`` goes to the limiter as a shadow rate (counted, never refused).
+Users whose limit is the default (rate and enforcement) and who hold no share keep no
+entry of their own: the limiter's default applies to them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from output_rate_core.limits import (
     DEFAULT,
     ENGINE,
     EVERYONE,
+    SHADOW,
     Effective,
     LimitModel,
     safe_share,
@@ -63,6 +65,10 @@ class LimitTable:
 
     # ---- what the limiter gets --------------------------------------------------
 
+    @property
+    def default_is_shadow(self) -> bool:
+        return self.model.effective_default_enforcement == SHADOW
+
     def default_milli(self) -> int | None:
         rate = self.model.default_rate
         if rate is None:
@@ -74,7 +80,10 @@ class LimitTable:
     def _milli(self, user: str, effective: Effective) -> tuple[bool, int | None]:
         """(whether the user needs an entry of its own, its rate in milli-tokens/s)."""
         rate = effective.rate
-        own = effective.source != DEFAULT
+        own = (
+            effective.source != DEFAULT
+            or effective.enforcement != self.model.effective_default_enforcement
+        )
         if rate is None:
             return own, None
         if effective.scope == ENGINE:
@@ -98,16 +107,28 @@ class LimitTable:
                 millis[user] = milli
         return millis
 
+    def shadow_users(self, users: Iterable[str]) -> list[str]:
+        """Those of ``users`` whose own limiter entry is in shadow."""
+        effective = self.model.effective
+        return [user for user in users if effective(user).enforcement == SHADOW]
+
     def load(self, limiter: OutputRateLimiter) -> None:
         """Hand the whole table to the limiter."""
-        limiter.replace_all_milli(self.default_milli(), self.user_millis())
+        millis = self.user_millis()
+        limiter.replace_all_milli(
+            self.default_milli(),
+            millis,
+            default_shadow=self.default_is_shadow,
+            shadow_users=self.shadow_users(millis),
+        )
 
     def _sync(self, users: Iterable[str], limiter: OutputRateLimiter) -> None:
         effective = self.model.effective
         for user in users:
-            own, milli = self._milli(user, effective(user))
+            user_effective = effective(user)
+            own, milli = self._milli(user, user_effective)
             if own:
-                limiter.set_milli_rate(user, milli)
+                limiter.set_milli_rate(user, milli, shadow=user_effective.enforcement == SHADOW)
             else:
                 limiter.clear_rate(user)  # the limiter's own default applies
 
@@ -115,11 +136,12 @@ class LimitTable:
 
     def apply(self, op: p.Op, limiter: OutputRateLimiter) -> None:
         """One op of a delta."""
-        old_default_scope = self.model.effective_default_scope
-        changed = self.model.apply(op)
+        model = self.model
+        old_default = (model.effective_default_scope, model.effective_default_enforcement)
+        changed = model.apply(op)
         if changed is EVERYONE:
-            limiter.set_default_milli_rate(self.default_milli())
-            if self.model.effective_default_scope != old_default_scope:
+            limiter.set_default_milli_rate(self.default_milli(), shadow=self.default_is_shadow)
+            if (model.effective_default_scope, model.effective_default_enforcement) != old_default:
                 self._sync([*self.model.users, *self.fleet.shares], limiter)
             else:
                 self._sync(list(self.fleet.shares), limiter)
@@ -158,7 +180,7 @@ class LimitTable:
                 fleet.shares.pop(user, None)
         if message.num_engines != self.num_engines:
             self.num_engines = message.num_engines
-            limiter.set_default_milli_rate(self.default_milli())
+            limiter.set_default_milli_rate(self.default_milli(), shadow=self.default_is_shadow)
             touched.update(self.model.users)
         self._sync(touched, limiter)
         return True

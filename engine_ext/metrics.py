@@ -63,8 +63,9 @@ INTERVAL_BUCKETS = (
     10.0,
 )
 
-# user -> [tokens granted, request-steps throttled, last active (clock ns)]
-_GRANTED, _THROTTLED, _LAST_ACTIVE = 0, 1, 2
+# user -> [tokens granted, request-steps throttled, last active (clock ns),
+#          request-steps a shadow limit would have throttled]
+_GRANTED, _THROTTLED, _LAST_ACTIVE, _WOULD_THROTTLE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class UserFigures(msgspec.Struct, array_like=True, frozen=True):
     rate: float | None
     # Seconds since the user was last granted or refused a token.
     idle_s: float
+    num_would_throttle: int = 0
 
 
 class TierIntervals(msgspec.Struct, array_like=True, frozen=True):
@@ -122,6 +124,7 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     fleet_size: int | None = None
     num_shares: int | None = None
     shares_leased: bool | None = None
+    num_other_would_throttle: int = 0
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -172,7 +175,7 @@ class EngineMetrics:
         self.idle_ns = int(idle_s * 1e9)
         self.clock_ns = clock_ns
         self.users: dict[str, list[int]] = {}
-        self.other = [0, 0]
+        self.other = [0, 0, 0, 0]
         self.num_throttled_resident = 0
         self.intervals: dict[str, IntervalHistogram] = {}
         # Users throttled in the last two usage intervals -> their tier's histogram.
@@ -191,14 +194,18 @@ class EngineMetrics:
         granted: Mapping[str, int],
         throttled: Mapping[str, int],
         tier_of: Callable[[str], str | None] = lambda user: None,
+        would_throttle: Mapping[str, int] | None = None,
     ) -> None:
-        """Count one usage interval's per-user tokens granted and request-steps refused.
+        """Count one usage interval's per-user tokens granted, request-steps refused and
+        request-steps a shadow limit would have refused.
 
         The scheduler starts new running counts after this call.
         """
         self._seen = {}
         now = self.clock_ns()
         users = self.users
+        would = would_throttle or {}
+        # Served users with would-throttles are in ``granted`` too.
         active = set(granted).union(throttled)
         new = [u for u in active if u not in users]
         if new:
@@ -206,7 +213,7 @@ class EngineMetrics:
             new.sort(key=lambda u: -(granted.get(u, 0) + throttled.get(u, 0)))
             for user in new[: max(free, 0)]:
                 if user != OTHER_USER:
-                    users[user] = [0, 0, now]
+                    users[user] = [0, 0, now, 0]
         other = self.other
         for user in active:
             series = users.get(user)
@@ -216,6 +223,7 @@ class EngineMetrics:
                 series[_LAST_ACTIVE] = now
             series[_GRANTED] += granted.get(user, 0)
             series[_THROTTLED] += throttled.get(user, 0)
+            series[_WOULD_THROTTLE] += would.get(user, 0)
         self._watch(set(throttled), tier_of)
 
     def _watch(self, throttled: set[str], tier_of: Callable[[str], str | None]) -> None:
@@ -295,12 +303,17 @@ class EngineMetrics:
         return MetricsSnapshot(
             users={
                 user: UserFigures(
-                    s[_GRANTED], s[_THROTTLED], rate_of(user), (now - s[_LAST_ACTIVE]) / 1e9
+                    s[_GRANTED],
+                    s[_THROTTLED],
+                    rate_of(user),
+                    (now - s[_LAST_ACTIVE]) / 1e9,
+                    s[_WOULD_THROTTLE],
                 )
                 for user, s in users.items()
             },
             num_other_granted=self.other[_GRANTED],
             num_other_throttled=self.other[_THROTTLED],
+            num_other_would_throttle=self.other[_WOULD_THROTTLE],
             idle_s=self.idle_ns / 1e9,
             default_rate=figures.default_rate,
             num_throttled_resident=self.num_throttled_resident,
@@ -344,6 +357,11 @@ class OutputRateCollector(Collector):
         throttled = CounterMetricFamily(
             "vllm:output_rate_throttled_steps",
             "Request-steps refused a token per user (one per throttled request per step)",
+            labels=user_labels,
+        )
+        would_throttle = CounterMetricFamily(
+            "vllm:output_rate_would_throttle_steps",
+            "Request-steps a shadow limit would have refused per user (they were served)",
             labels=user_labels,
         )
         limit = GaugeMetricFamily(
@@ -418,10 +436,12 @@ class OutputRateCollector(Collector):
                 num_tracked += 1
                 granted.add_metric([*labels, user], figures.num_granted)
                 throttled.add_metric([*labels, user], figures.num_throttled)
+                would_throttle.add_metric([*labels, user], figures.num_would_throttle)
                 if figures.rate is not None:
                     limit.add_metric([*labels, user], figures.rate)
             granted.add_metric([*labels, OTHER_USER], snapshot.num_other_granted)
             throttled.add_metric([*labels, OTHER_USER], snapshot.num_other_throttled)
+            would_throttle.add_metric([*labels, OTHER_USER], snapshot.num_other_would_throttle)
             tracked.add_metric(labels, num_tracked)
             if snapshot.default_rate is not None:
                 default.add_metric(labels, snapshot.default_rate)
@@ -442,7 +462,7 @@ class OutputRateCollector(Collector):
                     running += count
                     buckets.append((_le(bound), running))
                 intervals.add_metric([*labels, tier], buckets, tier_intervals.sum_s)
-        yield from (granted, throttled, limit, default, tracked, resident)
+        yield from (granted, throttled, would_throttle, limit, default, tracked, resident)
         yield from (reclaims, reclaimed, version, connected, intervals)
         yield from (fleet_size, num_shares, leased)
 

@@ -12,6 +12,10 @@ of the waiting queues, and decides with the limiter:
 - which throttled requests give their worker slot back (reclaim victims),
 - the admission cap for this step.
 
+Users in shadow are unlimited to the plan (the limiter's hot path sees them so);
+``settle`` charges them what they were served and counts what enforcement would
+have refused (``num_would_throttle``).
+
 The scheduler adapter (engine_ext/scheduler.py) applies the plan to upstream's
 state in one place, runs upstream's ``schedule()`` with an ``AdmissionGate``
 on the waiting queues, and hands the output to ``StepPlanner.settle``, which
@@ -162,9 +166,11 @@ class StepPlanner:
         self._reclaim_protected_until: dict[str, int] = {}
         self.reclaim_cooldown_steps = RECLAIM_COOLDOWN_STEPS
         self.reclaim_stats = ReclaimStats()
-        # user -> tokens granted / requests throttled since last taken.
+        # user -> tokens granted / requests throttled / requests a shadow limit would
+        # have throttled, since last taken.
         self.num_granted: dict[str, int] = {}
         self.num_throttled: dict[str, int] = {}
+        self.num_would_throttle: dict[str, int] = {}
         # Whether settle() counts granted tokens (only a reporting engine needs them).
         self.count_granted = False
         # The running list of the last plan and its user -> count, reused
@@ -542,8 +548,18 @@ class StepPlanner:
             refund(users[request])
         if self._reclaimed:
             self._protect_readmitted(gate, num_scheduled, step)
-        if self.count_granted:
-            self._count_granted(plan, gate, unsampled)
+        has_shadow = self.limiter.has_shadow
+        if self.count_granted or has_shadow:
+            num_sampled = self._num_sampled(plan, gate, unsampled)
+            if self.count_granted:
+                num_granted = self.num_granted
+                for user, num in num_sampled.items():
+                    if num > 0:
+                        num_granted[user] = num_granted.get(user, 0) + num
+            if has_shadow:
+                num_would = self.num_would_throttle
+                for user, num in self.limiter.shadow_take(num_sampled).items():
+                    num_would[user] = num_would.get(user, 0) + num
 
     @staticmethod
     def _all_scheduled(
@@ -573,23 +589,22 @@ class StepPlanner:
                 self._reclaimed.discard(req_id)
                 self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
 
-    def _count_granted(
+    def _num_sampled(
         self, plan: StepPlan, gate: AdmissionGate, unsampled: list[RequestLike]
-    ) -> None:
+    ) -> Counter[str]:
+        """user -> its requests that sampled this step (0 or less: none)."""
         users = self.users
         num_sampled = Counter(plan.num_covered)
         num_sampled.update([users[r] for r in plan.charged])
         num_sampled.update([users[r] for r in gate.charged.values()])
         num_sampled.subtract([users[r] for r in unsampled])
-        num_granted = self.num_granted
-        for user, num in num_sampled.items():
-            if num > 0:
-                num_granted[user] = num_granted.get(user, 0) + num
+        return num_sampled
 
-    def take_usage(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(tokens granted, requests throttled) per user since the last call."""
-        usage = self.num_granted, self.num_throttled
-        self.num_granted, self.num_throttled = {}, {}
+    def take_usage(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(tokens granted, requests throttled, requests a shadow limit would have
+        throttled) per user since the last call."""
+        usage = self.num_granted, self.num_throttled, self.num_would_throttle
+        self.num_granted, self.num_throttled, self.num_would_throttle = {}, {}, {}
         return usage
 
     def cleanup(self, live: Container[str], step: int) -> None:

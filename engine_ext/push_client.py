@@ -9,7 +9,7 @@ in ``apply_pending``, called by the scheduler at the start of every
 ``schedule()``, so the limiter is never touched concurrently and the hot path
 takes no lock beyond an emptiness check of a queue.
 
-Usage: the scheduler counts granted tokens and throttled request-steps per
+Usage: the scheduler counts granted tokens, throttled and would-throttle request-steps per
 user in plain dicts and hands them over with ``report_usage`` about once a
 second; the client takes ownership of the dicts (the caller starts new ones),
 and the IO thread encodes and sends them.
@@ -79,20 +79,27 @@ _ALWAYS_FITS = _USAGE_ENTRY_ROOM // (4 * MAX_USER_ID_LEN + _ENTRY_OVERHEAD)
 
 
 def usage_parts(
-    engine_id: str, interval_s: float, granted: dict[str, int], throttled: dict[str, int]
+    engine_id: str,
+    interval_s: float,
+    granted: dict[str, int],
+    throttled: dict[str, int],
+    would_throttle: dict[str, int] | None = None,
 ) -> list[p.Usage]:
     """One interval's report as frames the control plane accepts (each at most
-    MAX_ENGINE_MESSAGE_BYTES): itself, or parts of it split by users (a user's two
-    counts in one part), numbered in the order they are to be sent."""
-    whole = p.Usage(engine_id, interval_s, granted, throttled)
+    MAX_ENGINE_MESSAGE_BYTES): itself, or parts of it split by users (a user's counts
+    in one part), numbered in the order they are to be sent."""
+    would = would_throttle or {}
+    whole = p.Usage(engine_id, interval_s, granted, throttled, would_throttle=would)
+    num_entries = len(granted) + len(throttled) + len(would)
     # Encoding 40,000 entries to measure them takes ~1 ms (the IO thread encodes again).
-    if len(granted) + len(throttled) <= _ALWAYS_FITS or len(p.encode(whole)) <= _USAGE_ENTRY_ROOM:
+    if num_entries <= _ALWAYS_FITS or len(p.encode(whole)) <= _USAGE_ENTRY_ROOM:
         return [whole]
-    users = granted.keys() | throttled.keys()
+    users = granted.keys() | throttled.keys() | would.keys()
     groups: list[list[str]] = [[]]
     size = 0
     for user in users:
-        cost = (len(user.encode()) + _ENTRY_OVERHEAD) * ((user in granted) + (user in throttled))
+        num_maps = (user in granted) + (user in throttled) + (user in would)
+        cost = (len(user.encode()) + _ENTRY_OVERHEAD) * num_maps
         if size + cost > _USAGE_ENTRY_ROOM:
             groups.append([])
             size = 0
@@ -106,6 +113,7 @@ def usage_parts(
             {u: throttled[u] for u in group if u in throttled},
             part,
             len(groups),
+            {u: would[u] for u in group if u in would},
         )
         for part, group in enumerate(groups)
     ]
@@ -544,10 +552,10 @@ class PushClient(PushConnection):
         # Engine-thread state.
         self.table = LimitTable()
         self._last_usage_at = time.monotonic()
-        # A report not sent yet (interval, granted, throttled), and when the last one went;
-        # the engine thread and the IO thread both take it, under the lock.
+        # A report not sent yet (interval, granted, throttled, would-throttle), and when
+        # the last one went; the engine thread and the IO thread both take it, under the lock.
         self._usage_lock = threading.Lock()
-        self._held_usage: tuple[float, dict[str, int], dict[str, int]] | None = None
+        self._held_usage: tuple[float, dict[str, int], dict[str, int], dict[str, int]] | None = None
         self._last_usage_sent_at = float("-inf")
         # user -> streams, as the control plane last heard them from this engine
         self.demand_sent: dict[str, int] = {}
@@ -580,22 +588,28 @@ class PushClient(PushConnection):
         self._limiter, self._now_ns = limiter, now_ns
         return self._drain()
 
-    def report_usage(self, *, granted: dict[str, int], throttled: dict[str, int]) -> None:
+    def report_usage(
+        self,
+        *,
+        granted: dict[str, int],
+        throttled: dict[str, int],
+        would_throttle: dict[str, int] | None = None,
+    ) -> None:
         """Hand over this interval's counters (the client keeps the dicts)."""
         now = time.monotonic()
         interval = max(now - self._last_usage_at, p.MIN_USAGE_INTERVAL_S)
         self._last_usage_at = now
-        if not granted and not throttled:
+        would = would_throttle if would_throttle is not None else {}
+        if not granted and not throttled and not would:
             return
         with self._usage_lock:
             held = self._held_usage
             if held is not None:  # the earlier interval's counts join this one's
                 interval += held[0]
-                for user, n in held[1].items():
-                    granted[user] = granted.get(user, 0) + n
-                for user, n in held[2].items():
-                    throttled[user] = throttled.get(user, 0) + n
-            self._held_usage = (interval, granted, throttled)
+                for counts, held_counts in zip((granted, throttled, would), held[1:], strict=True):
+                    for user, n in held_counts.items():
+                        counts[user] = counts.get(user, 0) + n
+            self._held_usage = (interval, granted, throttled, would)
         self._send_held_usage(now)
 
     def _send_held_usage(self, now: float) -> None:
@@ -603,20 +617,22 @@ class PushClient(PushConnection):
         with self._usage_lock:
             if self._held_usage is None or now - self._last_usage_sent_at < USAGE_MIN_SPACING_S:
                 return
-            (interval, granted, throttled), self._held_usage = self._held_usage, None
+            (interval, granted, throttled, would), self._held_usage = self._held_usage, None
             self._last_usage_sent_at = now
         # What the server would refuse whole: names that are no user id (a request's
         # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
         granted, throttled = _reportable(granted), _reportable(throttled)
+        would = _reportable(would)
         # Counts over one engine's bound mean the interval was measured too short.
         interval = max(
             interval,
             sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
             sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
+            sum(would.values()) / p.MAX_ENGINE_STEPS_PER_S,
         )
         # Thousands of long ids can exceed a frame: parts, never a refused frame.
         interval = min(interval, p.MAX_USAGE_INTERVAL_S)
-        for part in usage_parts(self.engine_id, interval, granted, throttled):
+        for part in usage_parts(self.engine_id, interval, granted, throttled, would):
             self._send(part)
 
     def report_demand(self, streams: dict[str, int]) -> None:
@@ -656,7 +672,12 @@ class PushClient(PushConnection):
         if table.fleet.shares:
             millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
         self.table = table
-        self._limiter.replace_all_milli(prepared.default_milli, millis)
+        self._limiter.replace_all_milli(
+            prepared.default_milli,
+            millis,
+            default_shadow=table.default_is_shadow,
+            shadow_users=table.shadow_users(millis),
+        )
         # A snapshot follows every new connection: the server hears the whole demand.
         self._full_demand_due = True
 

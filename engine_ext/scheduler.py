@@ -283,11 +283,13 @@ class OutputRateMixin:
         if now < self._next_usage_report_ns:
             return
         self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
-        granted, throttled = self.output_rate_planner.take_usage()
+        granted, throttled, would = self.output_rate_planner.take_usage()
         if metrics is not None:  # metrics: the same counts, before the push client owns them
-            metrics.add_usage(granted, throttled, self._tier_of())
+            metrics.add_usage(granted, throttled, self._tier_of(), would)
         if self.push_client is not None:
-            self.push_client.report_usage(granted=granted, throttled=throttled)
+            self.push_client.report_usage(
+                granted=granted, throttled=throttled, would_throttle=would
+            )
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         # metrics: a snapshot rides on vLLM's SchedulerStats about once a second, and

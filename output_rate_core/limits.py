@@ -7,6 +7,10 @@ A user's effective rate is its override if set, else its tier's rate, else the d
 A ``"fleet"`` limit is what the user gets summed over every engine of one control plane
 (engines enforce shares of it, docs/fleet.md); an ``"engine"`` limit is enforced in full
 by each engine on its own.
+
+Its enforcement follows the same precedence again (the default's is ``"enforce"`` unless
+set). A ``"shadow"`` limit is computed as if enforced and what it would refuse is counted,
+but nothing is refused: the engine schedules the user as an unlimited one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ Scope = p.Scope
 FLEET: Scope = "fleet"
 ENGINE: Scope = "engine"
 DEFAULT_SCOPE: Scope = FLEET
+
+Enforcement = p.Enforcement
+ENFORCE: Enforcement = "enforce"
+SHADOW: Enforcement = "shadow"
+DEFAULT_ENFORCEMENT: Enforcement = ENFORCE
 
 
 def effective_rate(
@@ -49,6 +58,20 @@ def effective_scope(
     return default_scope if default_scope is not None else DEFAULT_SCOPE
 
 
+def effective_enforcement(
+    enforcement: Enforcement | None,
+    tier: str | None,
+    tier_enforcement: Enforcement | None,
+    default_enforcement: Enforcement | None,
+) -> Enforcement:
+    """A user's enforcement: its own, else its tier's, else the default's, else "enforce"."""
+    if enforcement is not None:
+        return enforcement
+    if tier is not None and tier_enforcement is not None:
+        return tier_enforcement
+    return default_enforcement if default_enforcement is not None else DEFAULT_ENFORCEMENT
+
+
 def safe_share(limit_milli: int, num_engines: int) -> int:
     """What an engine enforces of a fleet limit (milli-tokens/s) when it holds no valid
     share: its part if the fleet were split evenly, so engines on their own sum to at most
@@ -63,7 +86,11 @@ class Effective:
     rate: int | None
     source: Source
     scope: Scope
+    enforcement: Enforcement = DEFAULT_ENFORCEMENT
 
+
+_NO_USER: tuple[None, None, None, None] = (None, None, None, None)
+_NO_TIER: tuple[None, None, None] = (None, None, None)
 
 # What an op changed: the users named, or EVERYONE (the default changed).
 EVERYONE = None
@@ -75,23 +102,36 @@ class LimitModel:
 
     default_rate: int | None = None
     default_scope: Scope | None = None
-    # tier -> (rate, scope)
-    tiers: dict[str, tuple[int | None, Scope | None]] = field(default_factory=dict)
-    # user -> (tier, override rate, scope)
-    users: dict[str, tuple[str | None, int | None, Scope | None]] = field(default_factory=dict)
+    default_enforcement: Enforcement | None = None
+    # tier -> (rate, scope, enforcement)
+    tiers: dict[str, tuple[int | None, Scope | None, Enforcement | None]] = field(
+        default_factory=dict
+    )
+    # user -> (tier, override rate, scope, enforcement)
+    users: dict[str, tuple[str | None, int | None, Scope | None, Enforcement | None]] = field(
+        default_factory=dict
+    )
     # tier -> users assigned to it
     members: dict[str, set[str]] = field(default_factory=dict)
 
     @classmethod
     def from_snapshot(cls, snapshot: p.Snapshot) -> LimitModel:
-        model = cls(default_rate=snapshot.default_rate, default_scope=snapshot.default_scope)
+        model = cls(
+            default_rate=snapshot.default_rate,
+            default_scope=snapshot.default_scope,
+            default_enforcement=snapshot.default_enforcement,
+        )
         tier_scopes, user_scopes = snapshot.tier_scopes, snapshot.user_scopes
-        model.tiers = {name: (rate, tier_scopes.get(name)) for name, rate in snapshot.tiers.items()}
+        tier_modes, user_modes = snapshot.tier_enforcements, snapshot.user_enforcements
+        model.tiers = {
+            name: (rate, tier_scopes.get(name), tier_modes.get(name))
+            for name, rate in snapshot.tiers.items()
+        }
         model.users = {
-            user: (tier, rate, user_scopes.get(user))
+            user: (tier, rate, user_scopes.get(user), user_modes.get(user))
             for user, (tier, rate) in snapshot.users.items()
         }
-        for user, (tier, _, _) in model.users.items():
+        for user, (tier, *_) in model.users.items():
             if tier is not None:
                 model.members.setdefault(tier, set()).add(user)
         return model
@@ -101,20 +141,30 @@ class LimitModel:
         return None if record is None else record[0]
 
     def effective(self, user: str) -> Effective:
-        tier, override, scope = self.users.get(user, (None, None, None))
-        tier_rate, tier_scope = self.tiers.get(tier, (None, None)) if tier else (None, None)
+        tier, override, scope, mode = self.users.get(user, _NO_USER)
+        tier_rate, tier_scope, tier_mode = self.tiers.get(tier, _NO_TIER) if tier else _NO_TIER
         rate, source = effective_rate(override, tier, tier_rate, self.default_rate)
-        return Effective(rate, source, effective_scope(scope, tier, tier_scope, self.default_scope))
+        return Effective(
+            rate,
+            source,
+            effective_scope(scope, tier, tier_scope, self.default_scope),
+            effective_enforcement(mode, tier, tier_mode, self.default_enforcement),
+        )
 
     @property
     def effective_default_scope(self) -> Scope:
         return self.default_scope if self.default_scope is not None else DEFAULT_SCOPE
 
+    @property
+    def effective_default_enforcement(self) -> Enforcement:
+        mode = self.default_enforcement
+        return mode if mode is not None else DEFAULT_ENFORCEMENT
+
     def apply(self, op: p.Op) -> set[str] | None:
         """Apply one op; return the users whose limit it may have changed (EVERYONE: all)."""
         if isinstance(op, p.SetUser):
             self._forget_user(op.user)
-            self.users[op.user] = (op.tier, op.rate, op.scope)
+            self.users[op.user] = (op.tier, op.rate, op.scope, op.enforcement)
             if op.tier is not None:
                 self.members.setdefault(op.tier, set()).add(op.user)
             return {op.user}
@@ -122,7 +172,7 @@ class LimitModel:
             self._forget_user(op.user)
             return {op.user}
         if isinstance(op, p.SetTier):
-            self.tiers[op.name] = (op.rate, op.scope)
+            self.tiers[op.name] = (op.rate, op.scope, op.enforcement)
             return set(self.members.get(op.name, ()))
         if isinstance(op, p.DeleteTier):
             self.tiers.pop(op.name, None)
@@ -130,6 +180,7 @@ class LimitModel:
         if isinstance(op, p.SetKey | p.DeleteKey):
             return set()  # an API key changes who a caller is, not anyone's limit
         self.default_rate, self.default_scope = op.rate, op.scope
+        self.default_enforcement = op.enforcement
         return EVERYONE
 
     def _forget_user(self, user: str) -> None:

@@ -44,7 +44,7 @@ MAX_USAGE_REPORTS_PER_S = 4.0
 MAX_USAGE_REPORT_BURST = 8
 # A report too large for one engine frame (thousands of long multi-byte user ids) goes as
 # up to this many parts, split by users; the worst case (MAX_USAGE_USERS ids of 256
-# four-byte characters in both maps) takes 10 parts of MAX_ENGINE_MESSAGE_BYTES.
+# four-byte characters in all three maps) takes 15 parts of MAX_ENGINE_MESSAGE_BYTES.
 MAX_USAGE_PARTS = 32
 HEARTBEAT_INTERVAL_S = 1.0
 # The engine treats the server as gone after this long without any frame.
@@ -79,6 +79,8 @@ MAX_LEASE_MS = 3_600_000
 
 Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
 Scope = Literal["fleet", "engine"]
+# "shadow": the limit is computed and would-throttles counted, nothing is refused.
+Enforcement = Literal["enforce", "shadow"]
 # Who a connection is: an engine core (limits, usage, demand, shares), or the API server
 # of an engine in --output-rate-identity api-key mode (API keys only; docs/identity.md).
 Role = Literal["engine", "api"]
@@ -115,6 +117,7 @@ class SetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
     rate: Rate = None
     # None: inherit (the tier's, else the default's).
     scope: Scope | None = None
+    enforcement: Enforcement | None = None
 
 
 class DeleteUser(msgspec.Struct, frozen=True, tag_field="op", tag="delete_user"):
@@ -125,6 +128,7 @@ class SetTier(msgspec.Struct, frozen=True, tag_field="op", tag="set_tier"):
     name: Name
     rate: Rate = None
     scope: Scope | None = None
+    enforcement: Enforcement | None = None
 
 
 class DeleteTier(msgspec.Struct, frozen=True, tag_field="op", tag="delete_tier"):
@@ -135,6 +139,8 @@ class SetDefault(msgspec.Struct, frozen=True, tag_field="op", tag="set_default")
     rate: Rate = None
     # None: "fleet".
     scope: Scope | None = None
+    # None: "enforce".
+    enforcement: Enforcement | None = None
 
 
 class SetKey(msgspec.Struct, frozen=True, tag_field="op", tag="set_key"):
@@ -177,6 +183,10 @@ class Snapshot(msgspec.Struct, frozen=True):
     # tier / user -> its own scope (absent: inherit)
     tier_scopes: dict[Name, Scope] = {}
     user_scopes: dict[Name, Scope] = {}
+    default_enforcement: Enforcement | None = None
+    # tier / user -> its own enforcement (absent: inherit)
+    tier_enforcements: dict[Name, Enforcement] = {}
+    user_enforcements: dict[Name, Enforcement] = {}
     # Live engines in the fleet (the engine's safe share divides fleet limits by it).
     num_engines: Annotated[int, msgspec.Meta(ge=1)] = 1
     # API key id -> (user, hash of the key); only in snapshots for the "api" role.
@@ -216,6 +226,8 @@ class Usage(msgspec.Struct, frozen=True):
     # refuses it whole (every bound counts the parts together) or takes it whole.
     part: Annotated[int, msgspec.Meta(ge=0, lt=MAX_USAGE_PARTS)] = 0
     num_parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_USAGE_PARTS)] = 1
+    # user -> request-steps a shadow limit would have refused (they were served)
+    would_throttle: dict[UserId, Count] = {}
 
 
 class Resync(msgspec.Struct, frozen=True):
@@ -342,7 +354,7 @@ def decode(frame: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
 def check_usage_bounds(report: Usage) -> None:
     """A report names at most MAX_USAGE_USERS users in each map, and claims no more than
     one engine can produce in its interval."""
-    if len(report.granted) > MAX_USAGE_USERS or len(report.throttled) > MAX_USAGE_USERS:
+    if max(map(len, (report.granted, report.throttled, report.would_throttle))) > MAX_USAGE_USERS:
         raise ProtocolError(f"usage report names too many users (over {MAX_USAGE_USERS} in a map)")
     if report.part >= report.num_parts:
         raise ProtocolError(f"usage report part {report.part} of {report.num_parts}")
@@ -351,6 +363,8 @@ def check_usage_bounds(report: Usage) -> None:
         raise ProtocolError("usage report grants more tokens than one engine can produce")
     if sum(report.throttled.values()) > MAX_ENGINE_STEPS_PER_S * report.interval_s + 1:
         raise ProtocolError("usage report refuses more steps than one engine can make")
+    if sum(report.would_throttle.values()) > MAX_ENGINE_STEPS_PER_S * report.interval_s + 1:
+        raise ProtocolError("usage report would refuse more steps than one engine can make")
 
 
 def ops_from_rows(rows: list[dict[str, object]]) -> list[Op]:

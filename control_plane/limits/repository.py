@@ -17,7 +17,7 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, select, upda
 
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
-from output_rate_core.limits import Scope
+from output_rate_core.limits import Enforcement, Scope
 
 CONFIG_ROW_ID = 1
 
@@ -32,23 +32,27 @@ class State(NamedTuple):
     default_rate: int | None
     default_scope: Scope | None
     num_users: int
+    default_enforcement: Enforcement | None = None
 
 
 class UserRecord(NamedTuple):
-    """A configured user's row: its tier, its override rate and scope (None: inherit),
-    the version of its last change."""
+    """A configured user's row: its tier, its override rate, scope and enforcement (None:
+    inherit), the version of its last change."""
 
     tier: str | None
     rate: int | None
     scope: Scope | None
     version: int
+    enforcement: Enforcement | None = None
 
 
 class TierLimit(NamedTuple):
-    """What a tier gives its users: its rate (None: unlimited), its scope (None: inherit)."""
+    """What a tier gives its users: its rate (None: unlimited), its scope and enforcement
+    (None: inherit)."""
 
     rate: int | None
     scope: Scope | None
+    enforcement: Enforcement | None = None
 
 
 def _state(row: Any) -> State:
@@ -63,6 +67,7 @@ _STATE_COLUMNS = (
     config_state.c.default_rate,
     config_state.c.default_scope,
     config_state.c.num_users,
+    config_state.c.default_enforcement,
 )
 _GET_STATE = select(*_STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
 # The no-op UPDATE is the first statement of every write transaction: on PostgreSQL it
@@ -99,11 +104,13 @@ def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
     )
 
 
-def set_default(conn: Connection, rate: int | None, scope: Scope | None) -> None:
+def set_default(
+    conn: Connection, rate: int | None, scope: Scope | None, enforcement: Enforcement | None
+) -> None:
     conn.execute(
         update(config_state)
         .where(config_state.c.id == CONFIG_ROW_ID)
-        .values(default_rate=rate, default_scope=scope)
+        .values(default_rate=rate, default_scope=scope, default_enforcement=enforcement)
     )
 
 
@@ -126,8 +133,10 @@ _GET_LIMIT = (
         user_limits.c.rate,
         user_limits.c.scope,
         user_limits.c.version,
+        user_limits.c.enforcement,
         tiers.c.rate,
         tiers.c.scope,
+        tiers.c.enforcement,
     )
     .select_from(
         config_state.outerjoin(user_limits, user_limits.c.user == bindparam("user")).outerjoin(
@@ -141,10 +150,11 @@ _GET_LIMIT = (
 def get_limit_row(conn: Connection, user: str) -> LimitRow:
     row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
     assert row is not None, "config_state row is created by the initial migration"
-    state = _state(row[:4])
-    tier, rate, scope, version, tier_rate, tier_scope = row[4:]
-    record = None if version is None else UserRecord(tier, rate, scope, version)
-    return LimitRow(state, record, None if tier is None else TierLimit(tier_rate, tier_scope))
+    num_state = len(_STATE_COLUMNS)
+    state = _state(row[:num_state])
+    tier, rate, scope, version, enforcement, *tier_limit = row[num_state:]
+    record = None if version is None else UserRecord(tier, rate, scope, version, enforcement)
+    return LimitRow(state, record, None if tier is None else TierLimit(*tier_limit))
 
 
 # ---- tiers -------------------------------------------------------------------
@@ -157,6 +167,7 @@ class TierRow(NamedTuple):
     description: str
     version: int
     num_users: int
+    enforcement: Enforcement | None = None
 
 
 _TIER_COLUMNS = (
@@ -166,6 +177,7 @@ _TIER_COLUMNS = (
     tiers.c.description,
     tiers.c.version,
     tiers.c.num_users,
+    tiers.c.enforcement,
 )
 _GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
 _ADD_TIER_USERS = (
@@ -185,8 +197,8 @@ def list_tiers(conn: Connection) -> list[TierRow]:
 
 
 def tier_limits(conn: Connection) -> dict[str, TierLimit]:
-    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope))
-    return {name: TierLimit(rate, scope) for name, rate, scope in rows}
+    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement))
+    return {name: TierLimit(rate, scope, mode) for name, rate, scope, mode in rows}
 
 
 def insert_tier(
@@ -195,6 +207,7 @@ def insert_tier(
     name: str,
     rate: int | None,
     scope: Scope | None,
+    enforcement: Enforcement | None,
     description: str,
     version: int,
 ) -> None:
@@ -203,6 +216,7 @@ def insert_tier(
             name=name,
             rate=rate,
             scope=scope,
+            enforcement=enforcement,
             description=description,
             version=version,
             num_users=0,
@@ -217,6 +231,7 @@ def update_tier(
     name: str,
     rate: int | None,
     scope: Scope | None,
+    enforcement: Enforcement | None,
     description: str,
     version: int,
 ) -> None:
@@ -226,6 +241,7 @@ def update_tier(
         .values(
             rate=rate,
             scope=scope,
+            enforcement=enforcement,
             description=description,
             version=version,
             updated_at=datetime.now(UTC),
@@ -255,6 +271,7 @@ _RECORD_COLUMNS = (
     user_limits.c.rate,
     user_limits.c.scope,
     user_limits.c.version,
+    user_limits.c.enforcement,
 )
 _GET_USER = select(*_RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
 _INSERT_USER = insert(user_limits)
@@ -265,6 +282,7 @@ _UPDATE_USER = (
         tier=bindparam("tier"),
         rate=bindparam("rate"),
         scope=bindparam("scope"),
+        enforcement=bindparam("enforcement"),
         version=bindparam("version"),
         updated_at=bindparam("updated_at"),
     )
@@ -308,6 +326,7 @@ def _write_users(
             "tier": r.tier,
             "rate": r.rate,
             "scope": r.scope,
+            "enforcement": r.enforcement,
             "version": r.version,
             "updated_at": now,
         }
@@ -326,19 +345,29 @@ class AllUsers(NamedTuple):
 
     # user -> (tier, override rate)
     records: dict[str, tuple[str | None, int | None]]
-    # user -> its own scope (users that inherit are left out)
+    # user -> its own scope / enforcement (users that inherit are left out)
     scopes: dict[str, Scope]
+    enforcements: dict[str, Enforcement]
 
 
 def all_users(conn: Connection) -> AllUsers:
-    columns = (user_limits.c.user, user_limits.c.tier, user_limits.c.rate, user_limits.c.scope)
+    columns = (
+        user_limits.c.user,
+        user_limits.c.tier,
+        user_limits.c.rate,
+        user_limits.c.scope,
+        user_limits.c.enforcement,
+    )
     records: dict[str, tuple[str | None, int | None]] = {}
     scopes: dict[str, Scope] = {}
-    for user, tier, rate, scope in conn.execute(select(*columns)):
+    enforcements: dict[str, Enforcement] = {}
+    for user, tier, rate, scope, enforcement in conn.execute(select(*columns)):
         records[user] = (tier, rate)
         if scope is not None:
             scopes[user] = scope
-    return AllUsers(records, scopes)
+        if enforcement is not None:
+            enforcements[user] = enforcement
+    return AllUsers(records, scopes, enforcements)
 
 
 def prefix_upper_bound(prefix: str) -> str | None:

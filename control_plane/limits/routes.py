@@ -77,7 +77,8 @@ async def list_limits(
 @router.post("/limits:bulk", response_model=BulkOut)
 async def bulk_put_limits(body: BulkIn, db: DatabaseDep, principal: WriterDep) -> BulkOut:
     items = [
-        service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope) for i in body.items
+        service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope, i.enforcement)
+        for i in body.items
     ]
     change = await db.run(service.bulk_put_limits, actor=principal.name, items=items)
     return change.result
@@ -101,6 +102,7 @@ async def put_limit(
         rate=body.output_tokens_per_second,
         tier=body.tier,
         scope=body.scope,
+        enforcement=body.enforcement,
     )
     return change.result
 
@@ -144,6 +146,7 @@ async def put_tier(name: TierPath, body: TierIn, db: DatabaseDep, principal: Wri
         rate=body.output_tokens_per_second,
         description=body.description,
         scope=body.scope,
+        enforcement=body.enforcement,
     )
     return change.result
 
@@ -183,5 +186,6 @@ async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) ->
         actor=principal.name,
         rate=body.output_tokens_per_second,
         scope=body.scope,
+        enforcement=body.enforcement,
     )
     return change.result

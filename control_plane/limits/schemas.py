@@ -1,5 +1,6 @@
 """Limit, tier and default-limit bodies. Strict: a rate is a JSON integer 1..1,000,000
-or null; a scope is "fleet", "engine" or null (inherit)."""
+or null; a scope is "fleet", "engine" or null (inherit); an enforcement is "enforce",
+"shadow" or null (inherit)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from control_plane.schemas import Body
 from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
-from output_rate_core.limits import Scope, Source
+from output_rate_core.limits import Enforcement, Scope, Source
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # POST /limits:bulk: items per request.
@@ -30,12 +31,21 @@ OwnScope = Annotated[
         "enforces it in full; null: inherit (the tier's, else the default's)"
     ),
 ]
+OwnEnforcement = Annotated[
+    Enforcement | None,
+    Field(
+        description='"enforce": the limit holds the user back; "shadow": what it would refuse '
+        "is counted (would_throttle_fraction in GET /usage) and nothing is refused; null: "
+        "inherit (the tier's, else the default's)"
+    ),
+]
 
 
 class LimitIn(Body):
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
     scope: OwnScope = None
+    enforcement: OwnEnforcement = None
 
 
 class BulkItem(LimitIn):
@@ -50,30 +60,35 @@ class TierIn(Body):
     output_tokens_per_second: Rate | None = None
     description: Description | None = None
     scope: OwnScope = None
+    enforcement: OwnEnforcement = None
 
 
 class LimitPatch(Body):
     """JSON merge patch (RFC 7396) of a user's record: only the fields sent change;
     null clears the field (no override = the tier's or default rate; no tier; inherit the
-    scope)."""
+    scope or enforcement)."""
 
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
     scope: OwnScope = None
+    enforcement: OwnEnforcement = None
 
 
 class TierPatch(Body):
     """JSON merge patch of a tier: only the fields sent change; a rate of null is
-    unlimited, a description of null is empty, a scope of null inherits the default's."""
+    unlimited, a description of null is empty, a scope or enforcement of null inherits the
+    default's."""
 
     output_tokens_per_second: Rate | None = None
     description: Description | None = None
     scope: OwnScope = None
+    enforcement: OwnEnforcement = None
 
 
 class DefaultIn(Body):
     output_tokens_per_second: Rate | None = None
     scope: Annotated[Scope | None, Field(description='null: "fleet"')] = None
+    enforcement: Annotated[Enforcement | None, Field(description='null: "enforce"')] = None
 
 
 class ShareOut(BaseModel):
@@ -88,6 +103,12 @@ class LimitOut(BaseModel):
     effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
     source: Source
     scope: Scope | None = Field(description="The user's own scope, or null (inherited)")
+    enforcement: Enforcement | None = Field(
+        description="The user's own enforcement, or null (inherited)"
+    )
+    effective_enforcement: Enforcement = Field(
+        description='"shadow": the limit is counted, not enforced'
+    )
     effective_scope: Scope
     shares: list[ShareOut] = Field(
         default=[],
@@ -120,6 +141,9 @@ class TierOut(BaseModel):
     name: str
     output_tokens_per_second: int | None
     scope: Scope | None = Field(description="The tier's own scope, or null (the default's)")
+    enforcement: Enforcement | None = Field(
+        description="The tier's own enforcement, or null (the default's)"
+    )
     description: str
     num_users: int
     version: int
@@ -132,4 +156,5 @@ class TierList(BaseModel):
 class DefaultOut(BaseModel):
     output_tokens_per_second: int | None
     scope: Scope | None = Field(description='null: "fleet"')
+    enforcement: Enforcement | None = Field(description='null: "enforce"')
     version: int

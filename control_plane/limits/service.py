@@ -41,7 +41,14 @@ from control_plane.limits.schemas import (
 )
 from control_plane.usage.book import UsageSource
 from output_rate_core import protocol as p
-from output_rate_core.limits import FLEET, Scope, effective_rate, effective_scope
+from output_rate_core.limits import (
+    FLEET,
+    Enforcement,
+    Scope,
+    effective_enforcement,
+    effective_rate,
+    effective_scope,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class UserItem:
     rate: int | None
     tier: str | None
     scope: Scope | None = None
+    enforcement: Enforcement | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ def limit_view(
     tier_name = record.tier if record else None
     override = record.rate if record else None
     own_scope = record.scope if record else None
-    tier_rate, tier_scope = tier if tier is not None else (None, None)
+    own_enforcement = record.enforcement if record else None
+    tier_rate, tier_scope, tier_enforcement = tier if tier is not None else (None, None, None)
     effective, source = effective_rate(override, tier_name, tier_rate, state.default_rate)
     return LimitOut(
         user=user,
@@ -85,6 +94,10 @@ def limit_view(
         source=source,
         scope=own_scope,
         effective_scope=effective_scope(own_scope, tier_name, tier_scope, state.default_scope),
+        enforcement=own_enforcement,
+        effective_enforcement=effective_enforcement(
+            own_enforcement, tier_name, tier_enforcement, state.default_enforcement
+        ),
         # The version of the user's last change (the current one for users
         # nobody configured): once engines applied it, this view is enforced.
         version=record.version if record else state.version,
@@ -105,6 +118,7 @@ def tier_view(tier: repo.TierRow) -> TierOut:
         name=tier.name,
         output_tokens_per_second=tier.rate,
         scope=tier.scope,
+        enforcement=tier.enforcement,
         description=tier.description,
         num_users=tier.num_users,
         version=tier.version,
@@ -115,11 +129,21 @@ def _user_record(record: UserRecord | None) -> dict[str, Any] | None:
     """A user's record as the audit log and the merge patch see it."""
     if record is None:
         return None
-    return {"tier": record.tier, "output_tokens_per_second": record.rate, "scope": record.scope}
+    return {
+        "tier": record.tier,
+        "output_tokens_per_second": record.rate,
+        "scope": record.scope,
+        "enforcement": record.enforcement,
+    }
 
 
 def _item_record(item: UserItem) -> dict[str, Any]:
-    return {"tier": item.tier, "output_tokens_per_second": item.rate, "scope": item.scope}
+    return {
+        "tier": item.tier,
+        "output_tokens_per_second": item.rate,
+        "scope": item.scope,
+        "enforcement": item.enforcement,
+    }
 
 
 def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
@@ -129,6 +153,7 @@ def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
     return {
         "output_tokens_per_second": tier.rate,
         "scope": tier.scope,
+        "enforcement": tier.enforcement,
         "description": tier.description,
     }
 
@@ -262,6 +287,7 @@ def _default_view(state: State) -> DefaultOut:
     return DefaultOut(
         output_tokens_per_second=state.default_rate,
         scope=state.default_scope,
+        enforcement=state.default_enforcement,
         version=state.version,
     )
 
@@ -292,6 +318,11 @@ def load_snapshot(conn: Connection) -> p.Snapshot:
         default_scope=state.default_scope,
         tier_scopes={name: t.scope for name, t in tier_limits.items() if t.scope is not None},
         user_scopes=users.scopes,
+        default_enforcement=state.default_enforcement,
+        tier_enforcements={
+            name: t.enforcement for name, t in tier_limits.items() if t.enforcement is not None
+        },
+        user_enforcements=users.enforcements,
     )
 
 
@@ -363,7 +394,7 @@ def _tier_limit(conn: Connection, tier: str | None, *, field: str = "tier") -> T
     row = repo.get_tier(conn, tier)
     if row is None:
         raise InvalidInput(f"{field}: unknown tier {tier!r}", field=field)
-    return TierLimit(row.rate, row.scope)
+    return TierLimit(row.rate, row.scope, row.enforcement)
 
 
 def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dict[str, int]:
@@ -386,6 +417,7 @@ def put_limit(
     rate: int | None,
     tier: str | None,
     scope: Scope | None = None,
+    enforcement: Enforcement | None = None,
 ) -> ConfigChange[LimitOut]:
     state = repo.lock_config(conn)
     tier_limit = _tier_limit(conn, tier)
@@ -395,7 +427,7 @@ def put_limit(
         state,
         actor=actor,
         action="put_limit",
-        item=UserItem(user, rate, tier, scope),
+        item=UserItem(user, rate, tier, scope, enforcement),
         record=record,
         tier_limit=tier_limit,
     )
@@ -406,13 +438,20 @@ def patch_limit(
     conn: Connection, *, actor: str, user: str, changes: dict[str, Any]
 ) -> ConfigChange[LimitOut]:
     """JSON merge patch of a user's record: only the keys in `changes`
-    ("output_tokens_per_second", "tier", "scope") change; the others keep their value.
+    ("output_tokens_per_second", "tier", "scope", "enforcement") change; the others keep
+    their value.
     A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
     state = repo.lock_config(conn)
     record = repo.get_user(conn, user)
     current = _user_record(record) or _item_record(UserItem(user, None, None))
     merged = {**current, **changes}
-    item = UserItem(user, merged["output_tokens_per_second"], merged["tier"], merged["scope"])
+    item = UserItem(
+        user,
+        merged["output_tokens_per_second"],
+        merged["tier"],
+        merged["scope"],
+        merged["enforcement"],
+    )
     tier_limit = _tier_limit(conn, item.tier)
     if record is None and merged == current:
         return ConfigChange(limit_view(user=user, record=None, tier=None, state=state), None)
@@ -454,7 +493,7 @@ def _set_user(
             ops=[_set_user_op(item)],
             new_users=0 if record else 1,
         )
-        new_record = UserRecord(item.tier, item.rate, item.scope, version)
+        new_record = UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
         if record is None:
             repo.insert_users(conn, [(user, new_record)])
         else:
@@ -465,7 +504,13 @@ def _set_user(
 
 
 def _set_user_op(item: UserItem) -> p.SetUser:
-    return p.SetUser(user=item.user, tier=item.tier, rate=item.rate, scope=item.scope)
+    return p.SetUser(
+        user=item.user,
+        tier=item.tier,
+        rate=item.rate,
+        scope=item.scope,
+        enforcement=item.enforcement,
+    )
 
 
 @service("write")
@@ -530,7 +575,9 @@ def bulk_put_limits(
         ops=[_set_user_op(i) for i in changed],
         new_users=num_new,
     )
-    records = [(i.user, UserRecord(i.tier, i.rate, i.scope, version)) for i in changed]
+    records = [
+        (i.user, UserRecord(i.tier, i.rate, i.scope, version, i.enforcement)) for i in changed
+    ]
     repo.insert_users(conn, [(u, r) for u, r in records if u not in existing])
     repo.update_users(conn, [(u, r) for u, r in records if u in existing])
     repo.add_tier_users(conn, _tier_deltas((existing.get(i.user), i.tier) for i in changed))
@@ -546,9 +593,10 @@ def put_tier(
     rate: int | None,
     description: str | None,
     scope: Scope | None = None,
+    enforcement: Enforcement | None = None,
 ) -> ConfigChange[TierOut]:
-    """Set a tier's rate and scope (None: inherit the default's); a description of None
-    keeps the one it had."""
+    """Set a tier's rate, scope and enforcement (None: inherit the default's); a
+    description of None keeps the one it had."""
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     new_description = description if description is not None else (tier.description if tier else "")
@@ -559,7 +607,7 @@ def put_tier(
         action="put_tier",
         name=name,
         tier=tier,
-        limit=TierLimit(rate, scope),
+        limit=TierLimit(rate, scope, enforcement),
         description=new_description,
     )
 
@@ -569,14 +617,17 @@ def patch_tier(
     conn: Connection, *, actor: str, name: str, changes: dict[str, Any]
 ) -> ConfigChange[TierOut]:
     """JSON merge patch of an existing tier: only the keys in `changes`
-    ("output_tokens_per_second", "scope", "description") change. A description of null is
+    ("output_tokens_per_second", "scope", "enforcement", "description") change. A
+    description of null is
     empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
     state = repo.lock_config(conn)
     tier = repo.get_tier(conn, name)
     if tier is None:
         raise NotFound(f"tier {name!r} does not exist", field="name")
     limit = TierLimit(
-        changes.get("output_tokens_per_second", tier.rate), changes.get("scope", tier.scope)
+        changes.get("output_tokens_per_second", tier.rate),
+        changes.get("scope", tier.scope),
+        changes.get("enforcement", tier.enforcement),
     )
     description = changes.get("description", tier.description)
     return _set_tier(
@@ -602,10 +653,17 @@ def _set_tier(
     limit: TierLimit,
     description: str,
 ) -> ConfigChange[TierOut]:
-    """Write the tier's new rate, scope and description (if they differ) as one version."""
-    rate, scope = limit
+    """Write the tier's new rate, scope, enforcement and description (if they differ) as
+    one version."""
+    rate, scope, enforcement = limit
     new_tier = repo.TierRow(
-        name, rate, scope, description, version=0, num_users=tier.num_users if tier else 0
+        name,
+        rate,
+        scope,
+        description,
+        version=0,
+        num_users=tier.num_users if tier else 0,
+        enforcement=enforcement,
     )
     before = _tier_record(tier)
     if before == _tier_record(new_tier):
@@ -619,10 +677,18 @@ def _set_tier(
         target=tier_target(name),
         before=before,
         after=_tier_record(new_tier),
-        ops=[p.SetTier(name=name, rate=rate, scope=scope)],
+        ops=[p.SetTier(name=name, rate=rate, scope=scope, enforcement=enforcement)],
     )
     write = repo.insert_tier if tier is None else repo.update_tier
-    write(conn, name=name, rate=rate, scope=scope, description=description, version=version)
+    write(
+        conn,
+        name=name,
+        rate=rate,
+        scope=scope,
+        enforcement=enforcement,
+        description=description,
+        version=version,
+    )
     return ConfigChange(tier_view(new_tier._replace(version=version)), version)
 
 
@@ -651,12 +717,21 @@ def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None
 
 @service("write")
 def put_default(
-    conn: Connection, *, actor: str, rate: int | None, scope: Scope | None = None
+    conn: Connection,
+    *,
+    actor: str,
+    rate: int | None,
+    scope: Scope | None = None,
+    enforcement: Enforcement | None = None,
 ) -> ConfigChange[DefaultOut]:
-    """Replace the default rate and scope (None: "fleet")."""
+    """Replace the default rate, scope (None: "fleet") and enforcement (None: "enforce")."""
     state = repo.lock_config(conn)
-    before = {"output_tokens_per_second": state.default_rate, "scope": state.default_scope}
-    after = {"output_tokens_per_second": rate, "scope": scope}
+    before = {
+        "output_tokens_per_second": state.default_rate,
+        "scope": state.default_scope,
+        "enforcement": state.default_enforcement,
+    }
+    after = {"output_tokens_per_second": rate, "scope": scope, "enforcement": enforcement}
     if before == after:
         return ConfigChange(_default_view(state), None)
     version = _record(
@@ -667,8 +742,10 @@ def put_default(
         target=DEFAULT_TARGET,
         before=before,
         after=after,
-        ops=[p.SetDefault(rate=rate, scope=scope)],
+        ops=[p.SetDefault(rate=rate, scope=scope, enforcement=enforcement)],
     )
-    repo.set_default(conn, rate, scope)
-    new_state = state._replace(version=version, default_rate=rate, default_scope=scope)
+    repo.set_default(conn, rate, scope, enforcement)
+    new_state = state._replace(
+        version=version, default_rate=rate, default_scope=scope, default_enforcement=enforcement
+    )
     return ConfigChange(_default_view(new_state), version)

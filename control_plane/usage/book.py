@@ -1,8 +1,9 @@
 """Live usage reported by engines, aggregated for GET /usage and /metrics: the book the
 push server hands every report to, and what readers of live usage see of it.
 
-Each engine reports, about once a second, the output tokens it granted and the
-request-steps it refused per user, with the interval the counts cover. A
+Each engine reports, about once a second, the output tokens it granted, the
+request-steps it refused and the request-steps a shadow limit would have refused (it
+served them) per user, with the interval the counts cover. A
 user's rate is summed over engines; each engine's share is its counts over the
 time its reports cover inside the window, and never more than one engine's bound
 (MAX_ENGINE_TOKENS_PER_S), whatever intervals the engine claimed.
@@ -13,13 +14,13 @@ per map, no more tokens or steps than one engine makes in its interval, user ids
 REST rules). Here, per engine and by the control plane's own clock (an engine chooses
 the intervals it claims, not when its reports arrive): at most MAX_REPORTS_PER_S
 reports a second (MAX_REPORT_BURST at once), and at most MAX_ENGINE_TOKENS_PER_S
-tokens and MAX_ENGINE_STEPS_PER_S refused steps per second plus USAGE_BURST_S seconds'
-worth. A report over a bound is refused whole and counted by reason. The parts of a
-report split by the engine (`Usage.part` of `num_parts`) are taken together when the
-last arrives, and every bound counts them as one report. The book keeps at most
-MAX_REPORTS_PER_ENGINE reports per engine and MAX_TRACKED_USERS distinct users (a
-report's new users beyond that are left out and counted), so GET /usage and /metrics
-stay bounded whatever engines send.
+tokens and MAX_ENGINE_STEPS_PER_S refused steps (and as many would-refuse steps) per
+second plus USAGE_BURST_S seconds' worth. A report over a bound is refused whole and
+counted by reason. The parts of a report split by the engine (`Usage.part` of
+`num_parts`) are taken together when the last arrives, and every bound counts them as
+one report. The book keeps at most MAX_REPORTS_PER_ENGINE reports per engine and
+MAX_TRACKED_USERS distinct users (a report's new users beyond that are left out and
+counted), so GET /usage and /metrics stay bounded whatever engines send.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ PART_TIMEOUT_S = WINDOW_S
 # Why a report was refused (the `reason` of output_rate_usage_refused_total).
 REFUSED_REPORTS = "reports"  # over MAX_REPORTS_PER_S
 REFUSED_TOKENS = "tokens"  # over MAX_ENGINE_TOKENS_PER_S, for its interval or the clock's
-REFUSED_STEPS = "steps"  # the same for refused request-steps
+REFUSED_STEPS = "steps"  # the same for refused (or would-refuse) request-steps
 REFUSED_USERS = "users"  # its parts together name over MAX_USAGE_USERS users in a map
 REFUSED_PARTS = "parts"  # a part out of order, or an interval whose parts did not all come
 REFUSAL_REASONS = (REFUSED_REPORTS, REFUSED_TOKENS, REFUSED_STEPS, REFUSED_USERS, REFUSED_PARTS)
@@ -69,6 +70,8 @@ class UserUsage:
     tokens_per_s_1s: float
     tokens_per_s_10s: float
     throttled_fraction: float
+    # Of the same request-steps, those a shadow limit would have refused (it served them).
+    would_throttle_fraction: float = 0.0
 
 
 class UsageSource(Protocol):
@@ -151,12 +154,16 @@ class _EngineBounds:
     )
     tokens: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_TOKENS_PER_S, USAGE_BURST_S))
     steps: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S))
+    would_steps: _Pace = field(
+        default_factory=lambda: _Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S)
+    )
     parts: list[p.Usage] = field(default_factory=list)
     parts_since: float = 0.0
 
     def is_fresh(self, now: float) -> bool:
         """Nothing owed and no parts waiting: the same as a new engine's bounds."""
-        return not self.parts and max(self.reports.due, self.tokens.due, self.steps.due) < now
+        paces = (self.reports, self.tokens, self.steps, self.would_steps)
+        return not self.parts and max(pace.due for pace in paces) < now
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,16 @@ class _Interval:
     parts: tuple[p.Usage, ...]
     # Tokens granted over every part (what the rate cap divides by).
     tokens: int
+
+
+def would_throttle_fraction(granted: int, throttled: int, would_throttle: int) -> float:
+    """Of a user's request-steps (tokens granted + steps refused), the share a shadow
+    limit would have refused; at most 1 whatever engines claim."""
+    total = granted + throttled
+    return min(1.0, would_throttle / total) if total else 0.0
+
+
+_NO_STEPS = (0, 0, 0)
 
 
 class UsageBook:
@@ -253,8 +270,12 @@ class UsageBook:
         return tuple(waiting)
 
     @staticmethod
-    def _num_users(parts: list[p.Usage] | tuple[p.Usage, ...]) -> tuple[int, int]:
-        return sum(len(r.granted) for r in parts), sum(len(r.throttled) for r in parts)
+    def _num_users(parts: list[p.Usage] | tuple[p.Usage, ...]) -> tuple[int, int, int]:
+        return (
+            sum(len(r.granted) for r in parts),
+            sum(len(r.throttled) for r in parts),
+            sum(len(r.would_throttle) for r in parts),
+        )
 
     def _over_bounds(
         self, bounds: _EngineBounds, parts: tuple[p.Usage, ...], tokens: int, now: float
@@ -265,24 +286,32 @@ class UsageBook:
         if max(self._num_users(parts)) > p.MAX_USAGE_USERS:
             return REFUSED_USERS
         steps = sum(sum(part.throttled.values()) for part in parts)
+        would = sum(sum(part.would_throttle.values()) for part in parts)
         # The protocol checks each part against its interval; here all parts together.
         interval_s = parts[0].interval_s
         if tokens > p.MAX_ENGINE_TOKENS_PER_S * interval_s + 1 or not bounds.tokens.fits(
             now, tokens
         ):
             return REFUSED_TOKENS
-        if steps > p.MAX_ENGINE_STEPS_PER_S * interval_s + 1 or not bounds.steps.fits(now, steps):
-            return REFUSED_STEPS
+        for num, pace in ((steps, bounds.steps), (would, bounds.would_steps)):
+            if num > p.MAX_ENGINE_STEPS_PER_S * interval_s + 1 or not pace.fits(now, num):
+                return REFUSED_STEPS
         bounds.reports.take(now, 1)
         bounds.tokens.take(now, tokens)
         bounds.steps.take(now, steps)
+        bounds.would_steps.take(now, would)
         return None
 
     def _admit(self, parts: tuple[p.Usage, ...]) -> tuple[p.Usage, ...]:
         """The parts without the new users that would take the book over its bound."""
         users = self._users
         room = MAX_TRACKED_USERS - len(users)
-        new = {u for r in parts for u in (*r.granted, *r.throttled) if u not in users}
+        new = {
+            u
+            for r in parts
+            for u in (*r.granted, *r.throttled, *r.would_throttle)
+            if u not in users
+        }
         if len(new) <= room:
             return parts
         keep = set(sorted(new)[:room])
@@ -293,14 +322,23 @@ class UsageBook:
 
         return tuple(
             p.Usage(
-                r.engine_id, r.interval_s, kept(r.granted), kept(r.throttled), r.part, r.num_parts
+                r.engine_id,
+                r.interval_s,
+                kept(r.granted),
+                kept(r.throttled),
+                r.part,
+                r.num_parts,
+                kept(r.would_throttle),
             )
             for r in parts
         )
 
     def _count(self, report: p.Usage, step: int) -> None:
         users = self._users
-        for user in {*report.granted, *report.throttled}:
+        names = {*report.granted, *report.throttled}
+        if report.would_throttle:
+            names.update(report.would_throttle)
+        for user in names:
             n = users.get(user, 0) + step
             if n > 0:
                 users[user] = n
@@ -342,7 +380,8 @@ class UsageBook:
             per_engine = [list(r) for r in self._reports.values()]
         granted_1: dict[str, float] = {}
         granted_10: dict[str, float] = {}
-        steps: dict[str, tuple[int, int]] = {}
+        # user -> (tokens granted, steps refused, steps a shadow limit would have refused)
+        steps: dict[str, tuple[int, int, int]] = {}
         for intervals in per_engine:
             self._add_rates(intervals, now - WINDOW_S, granted_10)
             # The short window: the engine's latest report, if it is recent.
@@ -350,19 +389,23 @@ class UsageBook:
             for interval in intervals:
                 for report in interval.parts:
                     for user, n in report.granted.items():
-                        g, t = steps.get(user, (0, 0))
-                        steps[user] = (g + n, t)
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g + n, t, w)
                     for user, n in report.throttled.items():
-                        g, t = steps.get(user, (0, 0))
-                        steps[user] = (g, t + n)
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g, t + n, w)
+                    for user, n in report.would_throttle.items():
+                        g, t, w = steps.get(user, _NO_STEPS)
+                        steps[user] = (g, t, w + n)
         return [
             UserUsage(
                 user=user,
                 tokens_per_s_1s=granted_1.get(user, 0.0),
                 tokens_per_s_10s=granted_10.get(user, 0.0),
                 throttled_fraction=t / (g + t) if g + t else 0.0,
+                would_throttle_fraction=would_throttle_fraction(g, t, w),
             )
-            for user, (g, t) in sorted(steps.items())
+            for user, (g, t, w) in sorted(steps.items())
         ]
 
     def rate_1s(self, user: str) -> float | None:

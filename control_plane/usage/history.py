@@ -60,7 +60,8 @@ class UsageRecorder:
         self._clock = clock
         self._flush_interval_s = flush_interval_s
         self._lock = threading.Lock()
-        # (user, minute start) -> [tokens granted, request-steps throttled]
+        # (user, minute start) -> [tokens granted, request-steps throttled, request-steps
+        # a shadow limit would have throttled]
         self._counts: dict[tuple[str, int], list[int]] = {}
         # The users with a row in the current minute and in the one before it, and how
         # many users without a row the minute before each engine brought this minute.
@@ -80,14 +81,15 @@ class UsageRecorder:
                 last = self._rows if minute == self._minute + service.MINUTE_S else set()
                 self._minute, self._rows, self._rows_before = minute, set(), last
                 self._num_new = {}
-            admitted = self._admit(report.engine_id, {*report.granted, *report.throttled})
+            users = {*report.granted, *report.throttled, *report.would_throttle}
+            admitted = self._admit(report.engine_id, users)
             counts = self._counts
-            for user, n in report.granted.items():
-                if user in admitted:
-                    counts.setdefault((user, minute), [0, 0])[0] += n
-            for user, n in report.throttled.items():
-                if user in admitted:
-                    counts.setdefault((user, minute), [0, 0])[1] += n
+            for index, report_counts in enumerate(
+                (report.granted, report.throttled, report.would_throttle)
+            ):
+                for user, n in report_counts.items():
+                    if user in admitted:
+                        counts.setdefault((user, minute), [0, 0, 0])[index] += n
 
     def _admit(self, engine_id: str, users: set[str]) -> set[str]:
         """The users of a report that get (or have) a row this minute; counts the rest."""
@@ -128,7 +130,7 @@ class UsageRecorder:
             counts, self._counts = self._counts, {}
         now = self._clock()
         due = self._last_prune is None or now - self._last_prune >= PRUNE_INTERVAL_S
-        items = sorted((key, (v[0], v[1])) for key, v in counts.items())
+        items = sorted((key, (v[0], v[1], v[2])) for key, v in counts.items())
         for start in range(0, len(items), FLUSH_CHUNK_ROWS):
             if start:
                 time.sleep(FLUSH_CHUNK_PAUSE_S)

@@ -19,6 +19,7 @@ class UsageRow(NamedTuple):
     tokens: int
     throttled: int
     limit_rate: int | None
+    would_throttle: int = 0
 
 
 def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
@@ -32,6 +33,7 @@ def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
         set_={
             "tokens": usage_minutes.c.tokens + statement.excluded.tokens,
             "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
+            "would_throttle": usage_minutes.c.would_throttle + statement.excluded.would_throttle,
             "limit_rate": statement.excluded.limit_rate,
         },
     )
@@ -53,6 +55,7 @@ def usage_rows(
         usage_minutes.c.tokens,
         usage_minutes.c.throttled,
         usage_minutes.c.limit_rate,
+        usage_minutes.c.would_throttle,
     ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
     if users is not None:
         query = query.where(usage_minutes.c.user.in_(list(users)))

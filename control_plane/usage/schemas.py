@@ -11,6 +11,10 @@ class UsageOut(BaseModel):
     output_tokens_per_second_10s: float
     limit: int | None = Field(description="The user's effective limit; null: unlimited")
     throttled_fraction: float
+    would_throttle_fraction: float = Field(
+        description="Of the user's request-steps, the share a shadow limit would have "
+        "refused (they were served); 0 for users held by an enforced limit or none"
+    )
 
 
 class UsageList(BaseModel):
@@ -23,9 +27,11 @@ class HistorySeries(BaseModel):
         description="Per bucket: tokens/s while reported; null = nothing reported (a gap)"
     )
     throttled_fraction: list[float | None]
+    would_throttle_fraction: list[float | None]
     limit: list[int | None] = Field(description="Per bucket: the limit then; null = unlimited")
     tokens: int
     throttled: int
+    would_throttle: int
 
 
 class UsageHistoryOut(BaseModel):

@@ -11,7 +11,7 @@ from control_plane.db import service
 from control_plane.errors import InvalidInput
 from control_plane.limits import service as limits
 from control_plane.usage import repository as repo
-from control_plane.usage.book import UsageSource, UserUsage
+from control_plane.usage.book import UsageSource, UserUsage, would_throttle_fraction
 from control_plane.usage.schemas import HistorySeries, UsageHistoryOut, UsageList, UsageOut
 
 MINUTE_S = 60
@@ -23,7 +23,8 @@ DEFAULT_HISTORY_S = 3600
 @service("scan")
 def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
     """GET /usage rows: per user, tokens/s over the last 1 s and 10 s, the limit and
-    the fraction of request-steps that were throttled."""
+    the fraction of request-steps that were throttled (and that a shadow limit would
+    have throttled)."""
     totals = source.totals()
     if not totals:
         return UsageList(items=[])
@@ -36,6 +37,7 @@ def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
                 output_tokens_per_second_10s=round(u.tokens_per_s_10s, 3),
                 limit=rates[u.user],
                 throttled_fraction=round(u.throttled_fraction, 4),
+                would_throttle_fraction=round(u.would_throttle_fraction, 4),
             )
             for u in totals
         ]
@@ -53,9 +55,10 @@ def tier_rates(conn: Connection, usage: list[UserUsage]) -> dict[str | None, flo
 
 
 @service("write")
-def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, int]]) -> None:
-    """Add (user, minute start) -> (tokens granted, request-steps throttled) to the
-    per-minute rollups, each with the user's effective limit now."""
+def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+    """Add (user, minute start) -> (tokens granted, request-steps throttled, request-steps
+    a shadow limit would have throttled) to the per-minute rollups, each with the user's
+    effective limit now."""
     if not counts:
         return
     users = sorted({user for user, _ in counts})
@@ -63,8 +66,8 @@ def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, i
     repo.add_usage(
         conn,
         [
-            repo.UsageRow(user, minute, tokens, throttled, rates[user])
-            for (user, minute), (tokens, throttled) in sorted(counts.items())
+            repo.UsageRow(user, minute, tokens, throttled, rates[user], would)
+            for (user, minute), (tokens, throttled, would) in sorted(counts.items())
         ],
     )
 
@@ -92,8 +95,8 @@ def usage_history(
     `now`; a time without a zone is UTC) to `now`.
 
     Per user and bucket: output tokens/s while reported (tokens over the reported
-    minutes; a bucket with no report is null, a gap), the throttled fraction of
-    request-steps, and the limit in force (null: unlimited). Without `user`, the `top`
+    minutes; a bucket with no report is null, a gap), the throttled and would-throttle
+    fractions of request-steps, and the limit in force (null: unlimited). Without `user`, the `top`
     users by throttled steps ("throttled") or tokens ("tokens")."""
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
@@ -118,13 +121,14 @@ def usage_history(
     )
     rows = repo.usage_rows(conn, users=users, since=start, until=end) if users else []
     times = [start + i * step for i in range(num_points)]
-    # user -> bucket -> [tokens, throttled, reported seconds, limit]
+    # user -> bucket -> [tokens, throttled, reported seconds, limit, would-throttle]
     buckets: dict[str, dict[int, list[Any]]] = {u: {} for u in users}
     for row in rows:
         index = (row.minute - start) // step
-        bucket = buckets[row.user].setdefault(index, [0, 0, 0.0, None])
+        bucket = buckets[row.user].setdefault(index, [0, 0, 0.0, None, 0])
         bucket[0] += row.tokens
         bucket[1] += row.throttled
+        bucket[4] += row.would_throttle
         # The current minute is only partly over.
         bucket[2] += min(MINUTE_S, max(1.0, now - row.minute))
         bucket[3] = row.limit_rate
@@ -132,22 +136,27 @@ def usage_history(
     for name in users:
         rates: list[float | None] = [None] * num_points
         throttled: list[float | None] = [None] * num_points
+        would_fractions: list[float | None] = [None] * num_points
         limit_rates: list[int | None] = [None] * num_points
-        total_tokens = total_throttled = 0
-        for index, (tokens, steps, seconds, limit) in buckets[name].items():
+        total_tokens = total_throttled = total_would = 0
+        for index, (tokens, steps, seconds, limit, would) in buckets[name].items():
             rates[index] = round(tokens / seconds, 3)
             throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
+            would_fractions[index] = round(would_throttle_fraction(tokens, steps, would), 4)
             limit_rates[index] = limit
             total_tokens += tokens
             total_throttled += steps
+            total_would += would
         items.append(
             HistorySeries(
                 user=name,
                 output_tokens_per_second=rates,
                 throttled_fraction=throttled,
+                would_throttle_fraction=would_fractions,
                 limit=limit_rates,
                 tokens=total_tokens,
                 throttled=total_throttled,
+                would_throttle=total_would,
             )
         )
     return UsageHistoryOut(

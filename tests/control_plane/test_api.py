@@ -26,6 +26,8 @@ def test_unknown_user_gets_the_default(client: TestClient) -> None:
         "source": "default",
         "scope": None,
         "effective_scope": "fleet",
+        "enforcement": None,
+        "effective_enforcement": "enforce",
         "shares": [],
         "version": 0,
         "received_output_tokens_per_second": None,
@@ -61,7 +63,12 @@ def test_every_write_bumps_one_version_and_same_put_twice_writes_once(client: Te
     assert entry["action"] == "put_limit"
     assert entry["target"] == "a"
     assert entry["before"] is None
-    assert entry["after"] == {"tier": None, "output_tokens_per_second": 20, "scope": None}
+    assert entry["after"] == {
+        "tier": None,
+        "output_tokens_per_second": 20,
+        "scope": None,
+        "enforcement": None,
+    }
 
 
 def test_tier_rate_change_is_one_version_for_all_its_users(client: TestClient) -> None:
@@ -78,6 +85,7 @@ def test_tier_rate_change_is_one_version_for_all_its_users(client: TestClient) -
         "name": "free",
         "output_tokens_per_second": 40,
         "scope": None,
+        "enforcement": None,
         "description": "free",
         "num_users": 5,
         "version": before + 1,

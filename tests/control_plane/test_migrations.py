@@ -156,3 +156,70 @@ def test_0004_adds_api_keys_and_keeps_engine_rows_both_ways(db_url: str) -> None
             assert conn.execute(text("SELECT applied_version FROM engines")).scalar() == 4
     finally:
         engine.dispose()
+
+
+def test_0007_adds_enforcement_and_would_throttles_to_existing_rows_both_ways(
+    db_url: str,
+) -> None:
+    downgrade(db_url, "0005")
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tiers (name, rate, scope, description, version, num_users,"
+                    " updated_at) VALUES ('gold', 50, 'engine', '', 1, 1, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    'INSERT INTO user_limits ("user", tier, rate, version, updated_at)'
+                    " VALUES ('alice', 'gold', 7, 2, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    'INSERT INTO usage_minutes ("user", minute, tokens, throttled, limit_rate)'
+                    " VALUES ('alice', 60, 100, 5, 7)"
+                )
+            )
+        upgrade(db_url)
+        with engine.begin() as conn:
+            user = conn.execute(text("SELECT tier, rate, enforcement FROM user_limits")).one()
+            tier = conn.execute(text("SELECT scope, enforcement FROM tiers")).one()
+            default = conn.execute(text("SELECT default_enforcement FROM config_state")).one()
+            minute = conn.execute(text("SELECT tokens, would_throttle FROM usage_minutes")).one()
+            assert (tuple(user), tuple(tier), tuple(default), tuple(minute)) == (
+                ("gold", 7, None),
+                ("engine", None),
+                (None,),
+                (100, 0),
+            )
+            conn.execute(text("UPDATE user_limits SET enforcement = 'shadow'"))
+            conn.execute(text("UPDATE tiers SET enforcement = 'enforce'"))
+            conn.execute(text("UPDATE config_state SET default_enforcement = 'shadow'"))
+        for statement in (
+            "UPDATE user_limits SET enforcement = 'dry'",
+            "UPDATE tiers SET enforcement = 'Shadow'",
+            "UPDATE config_state SET default_enforcement = ''",
+        ):
+            with pytest.raises(IntegrityError), engine.begin() as conn:
+                conn.execute(text(statement))
+        downgrade(db_url, "0005")
+        tables = (*SCOPE_TABLES, "usage_minutes")
+        columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in tables}
+        assert not any(
+            "enforcement" in name or name == "would_throttle"
+            for names in columns.values()
+            for name in names
+        )
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT tier, rate, scope FROM user_limits")).one()
+            assert tuple(row) == ("gold", 7, None)
+            assert conn.execute(text("SELECT scope FROM tiers")).scalar() == "engine"
+            # The constraints the recreated tables had before 0007 are still there.
+            with pytest.raises(IntegrityError), conn.begin_nested():
+                conn.execute(text("UPDATE tiers SET scope = 'global'"))
+        upgrade(db_url)
+    finally:
+        engine.dispose()

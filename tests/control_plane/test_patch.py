@@ -35,6 +35,7 @@ def test_tier_description_alone_keeps_the_rate(client: TestClient) -> None:
     assert audit(client)[0]["before"] == {
         "output_tokens_per_second": 100,
         "scope": None,
+        "enforcement": None,
         "description": "paid",
     }
 

@@ -108,6 +108,43 @@ def test_limit_change_applies_mid_stream_without_restart(stack: Stack) -> None:
     assert engines["items"][0]["applied_version"] == engines["version"] == version
 
 
+def test_a_shadow_tier_does_not_slow_its_user_until_it_is_enforced(stack: Stack) -> None:
+    """A tier of 20 tok/s in shadow: its user streams as fast as an unlimited user (in the
+    same test, no speed floor) and GET /usage shows what the tier would have held back;
+    PATCH to enforce: from then on the user is held to 20 tok/s."""
+    cp = stack.control_plane
+    tier = {"output_tokens_per_second": 20, "enforcement": "shadow"}
+    assert httpx.put(f"{cp.url}/tiers/shadow-20", json=tier, headers=AUTH).status_code == 200
+    cp.wait_applied(cp.put("user-u", None))
+    put = httpx.put(f"{cp.url}/limits/user-s", json={"tier": "shadow-20"}, headers=AUTH)
+    assert put.json()["effective_enforcement"] == "shadow"
+    cp.wait_applied(put.json()["version"])
+    unlimited = rate_of(stream(stack.engine.url, "user-u", 150))
+    shadowed = rate_of(stream(stack.engine.url, "user-s", 150))
+    assert shadowed >= 0.7 * unlimited
+    assert unlimited > 2 * 20, "the tiny model must stream faster than the limit"
+    # The engine reports what the limit would have refused; the book shows it.
+    deadline = time.monotonic() + 10
+    while True:
+        items = {i["user"]: i for i in httpx.get(f"{cp.url}/usage", headers=AUTH).json()["items"]}
+        usage = items.get("user-s")
+        if usage is not None and usage["would_throttle_fraction"] > 0:
+            break
+        assert time.monotonic() < deadline, items
+        time.sleep(0.5)
+    assert usage["throttled_fraction"] == 0.0
+    assert usage["would_throttle_fraction"] <= 1.0
+    assert items["user-u"]["would_throttle_fraction"] == 0.0
+    patched = httpx.patch(
+        f"{cp.url}/tiers/shadow-20", json={"enforcement": "enforce"}, headers=AUTH
+    )
+    assert patched.json()["enforcement"] == "enforce"
+    cp.wait_applied(patched.json()["version"])
+    num_tokens, span = user_rate(stream(stack.engine.url, "user-s", 60, num_streams=2))
+    assert num_tokens == 120
+    assert num_tokens <= (span + 0.1 + 0.3) * 20 + 1
+
+
 def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) -> None:
     cp = stack.control_plane
     cp.wait_applied(cp.put("user-a", 30))

@@ -25,8 +25,8 @@ def test_the_table_gives_the_limiter_each_users_effective_rate_after_every_op() 
     for op in ops:
         table.apply(op, limiter)
         for user in ("a", "b", "c", "nobody"):
-            tier, override, _ = table.model.users.get(user, (None, None, None))
-            tier_rate = table.model.tiers.get(tier, (None, None))[0] if tier else None
+            tier, override, *_ = table.model.users.get(user, (None, None, None, None))
+            tier_rate = table.model.tiers.get(tier, (None, None, None))[0] if tier else None
             want = effective_rate(override, tier, tier_rate, table.model.default_rate)[0]
             assert limiter.rate_of(user) == want, (op, user)
 
@@ -117,3 +117,36 @@ def test_a_limit_change_keeps_the_share_and_a_scope_change_drops_it() -> None:
     assert limiter.milli_rate_of("a") == 200_000
     table.apply(p.SetDefault(8, "engine"), limiter)
     assert limiter.milli_rate_of("nobody") == 8_000
+
+
+def test_enforcement_follows_the_precedence_into_the_limiter() -> None:
+    """Users in shadow (own, the tier's, the default's) get a shadow entry; an enforced
+    user under a shadow default needs an entry of its own."""
+    limiter = OutputRateLimiter(None)
+    table = LimitTable()
+    ops: list[p.Op] = [
+        p.SetDefault(rate=30, enforcement="shadow"),
+        p.SetTier(name="pro", rate=100),
+        p.SetUser(user="a", tier="pro"),
+        p.SetUser(user="b", tier=None, rate=None, enforcement="enforce"),
+        p.SetUser(user="c", tier="pro", rate=5, enforcement="shadow"),
+        p.SetTier(name="pro", rate=100, enforcement="enforce"),
+        p.SetDefault(rate=30),
+        p.SetTier(name="pro", rate=100, enforcement="shadow"),
+        p.SetUser(user="c", tier="pro", rate=5),
+    ]
+    for op in ops:
+        table.apply(op, limiter)
+        reloaded = OutputRateLimiter(None)
+        table.load(reloaded)
+        for user in ("a", "b", "c", "nobody"):
+            effective = table.model.effective(user)
+            want = effective.rate if effective.enforcement == "shadow" else None
+            assert limiter.shadow_milli_of(user) == (want and want * p.MILLI), (op, user)
+            assert reloaded.shadow_milli_of(user) == limiter.shadow_milli_of(user), (op, user)
+            assert limiter.rate_of(user) == effective.rate, (op, user)
+    assert [table.model.effective(u).enforcement for u in ("a", "b", "c")] == [
+        "shadow",
+        "enforce",
+        "shadow",
+    ]

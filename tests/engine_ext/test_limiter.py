@@ -249,3 +249,68 @@ def test_bad_milli_rates_raise() -> None:
     for bad in (0, -1, 1.5, True, 10**12):
         with pytest.raises(ValueError):
             limiter.set_milli_rate("u", bad)  # type: ignore[arg-type]
+
+
+# ---- shadow limits ---------------------------------------------------------------
+
+
+def test_a_shadow_user_is_unlimited_to_the_hot_path_and_charged_like_take_many() -> None:
+    """shadow_take on a shadow user refuses (counts) exactly what take_many refuses
+    the same user enforced, call for call, and the hot path never refuses it."""
+    clock = Clock()
+    shadow = OutputRateLimiter(None, clock_ns=clock)
+    enforced = OutputRateLimiter(None, clock_ns=clock)
+    shadow.set_milli_rate("a", 30_000, shadow=True)
+    enforced.set_milli_rate("a", 30_000)
+    assert not shadow.is_unlimited and shadow.has_shadow and shadow.is_shadow("a")
+    assert shadow.rate_of("a") == 30 and shadow.user_rates() == {"a": 30}
+    rng = random.Random(3)
+    num_refused = 0
+    for _ in range(500):
+        clock.now += rng.randrange(0, 40) * MS
+        num = rng.randint(1, 6)
+        assert shadow.take_many({"a": num}) == {}  # unlimited to the plan
+        assert shadow.num_available("a", num) == num
+        short = enforced.take_many({"a": num})
+        would = shadow.shadow_take({"a": num, "unlimited": 3})
+        assert would.get("a", 0) == num - short.get("a", num)
+        assert shadow.ready_at_ns("a") == 0  # no enforced state
+        num_refused += would.get("a", 0)
+    assert num_refused > 100
+
+
+def test_switching_enforcement_carries_the_gcra_state_over() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(None, clock_ns=clock)
+    limiter.set_milli_rate("a", 10_000, shadow=True)
+    assert limiter.shadow_take({"a": 50}) == {"a": 48}  # a burst of 100 ms at 10/s: 2
+    limiter.set_milli_rate("a", 10_000)  # enforce: its shadow use counts
+    assert not limiter.try_take("a")
+    clock.now += 100 * MS
+    assert limiter.take_many({"a": 5}) == {"a": 1}
+    # Back to shadow at twice the rate: the 2 tokens owed now take 100 ms, one more fits.
+    limiter.set_milli_rate("a", 20_000, shadow=True)
+    assert limiter.try_take("a") and limiter.shadow_take({"a": 2}) == {"a": 1}
+    # The default in shadow: users without their own entry are counted at its rate.
+    limiter.set_default_milli_rate(10_000, shadow=True)
+    assert limiter.is_shadow("b") and limiter.default_rate == 10
+    assert limiter.shadow_take({"b": 4}) == {"b": 2}
+    limiter.set_default_milli_rate(10_000)  # enforced now, from b's recent use
+    assert not limiter.try_take("b")
+    limiter.clear_rate("a")
+    assert not limiter.try_take("a")  # a's state follows it to the (enforced) default
+    limiter.replace_all_milli(5_000, {"a": 5_000}, default_shadow=True, shadow_users=["a"])
+    assert limiter.is_shadow("a") and limiter.is_shadow("b") and limiter.try_take("b")
+    clock.now += 10 * NS_PER_S
+    limiter.cleanup_idle_users()
+    assert limiter.num_tracked_users == 0
+    # Idle shadow state is forgotten too: fresh, 1 token of burst at 5/s.
+    assert limiter.shadow_take({"a": 2, "b": 2}) == {"a": 1, "b": 1}
+
+
+def test_with_clock_keeps_shadow_rates() -> None:
+    limiter = OutputRateLimiter(None)
+    limiter.set_milli_rate("a", 7_000, shadow=True)
+    limiter.set_default_milli_rate(3_000, shadow=True)
+    copy = limiter.with_clock(Clock())
+    assert copy.is_shadow("a") and copy.default_is_shadow and copy.rate_of("a") == 7

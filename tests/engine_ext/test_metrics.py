@@ -206,3 +206,14 @@ def test_fleet_figures_are_rendered_only_with_a_control_plane() -> None:
     assert rendered["vllm:output_rate_fleet_shares"] == {engine: 2}
     assert rendered["vllm:output_rate_fleet_lease_valid"] == {engine: 0}
     assert "vllm:output_rate_fleet_engines" not in samples(snapshot(metrics))
+
+
+def test_would_throttle_steps_are_counted_per_user_under_the_label_cap() -> None:
+    metrics, _ = make_metrics(max_users=2)
+    granted = {"s1": 50, "s2": 40, "s3": 5}
+    metrics.add_usage(granted, {}, would_throttle={"s1": 30, "s3": 4})
+    metrics.add_usage({"s1": 10}, {}, would_throttle={"s1": 2})
+    rendered = samples(snapshot(metrics))
+    would = user_values(rendered, "vllm:output_rate_would_throttle_steps_total")
+    assert would == {"s1": 32, "s2": 0, OTHER_USER: 4}  # s3 folded, as its tokens are
+    assert user_values(rendered, "vllm:output_rate_throttled_steps_total")["s1"] == 0

@@ -414,7 +414,8 @@ def test_the_largest_report_goes_in_parts_that_each_fit_a_frame() -> None:
     users = [_long_id(i) for i in range(p.MAX_USAGE_USERS)]
     granted = {u: 2**40 + i for i, u in enumerate(users)}  # 9-byte counts, the largest
     throttled = {u: 2**41 for u in users}
-    parts = usage_parts("e" * 256, 3600.0, granted, throttled)
+    would = {u: 2**42 for u in users}
+    parts = usage_parts("e" * 256, 3600.0, granted, throttled, would)
     frames = [p.encode(part) for part in parts]
     # Before: one ~41 MB frame, which the control plane refuses (and drops the connection).
     assert 1 < len(parts) <= p.MAX_USAGE_PARTS
@@ -424,8 +425,11 @@ def test_the_largest_report_goes_in_parts_that_each_fit_a_frame() -> None:
     ]
     assert {u: n for part in parts for u, n in part.granted.items()} == granted
     assert {u: n for part in parts for u, n in part.throttled.items()} == throttled
-    # Each user's two counts travel together.
-    assert all(part.granted.keys() == part.throttled.keys() for part in parts)
+    assert {u: n for part in parts for u, n in part.would_throttle.items()} == would
+    # Each user's counts travel together.
+    assert all(
+        part.granted.keys() == part.throttled.keys() == part.would_throttle.keys() for part in parts
+    )
     assert sum(len(part.granted) for part in parts) == len(granted)
 
 
@@ -468,9 +472,11 @@ def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
     began = time.monotonic()
     engine.client.report_usage(granted={"a": 1}, throttled={})
     time.sleep(0.01)
-    engine.client.report_usage(granted={"a": 2, "b": 5}, throttled={"b": 1})
+    engine.client.report_usage(
+        granted={"a": 2, "b": 5}, throttled={"b": 1}, would_throttle={"a": 1}
+    )
     time.sleep(0.01)
-    engine.client.report_usage(granted={"a": 4}, throttled={})
+    engine.client.report_usage(granted={"a": 4}, throttled={}, would_throttle={"a": 3})
     _, first = server.recv(p.Usage)
     _, second = server.recv(p.Usage)
     arrived = time.monotonic() - began
@@ -478,6 +484,7 @@ def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
     assert (first.granted, first.throttled) == ({"a": 1}, {})
     # The two later intervals in one report, sent by the IO thread once due.
     assert (second.granted, second.throttled) == ({"a": 6, "b": 5}, {"b": 1})
+    assert (first.would_throttle, second.would_throttle) == ({}, {"a": 4})
     assert arrived >= USAGE_MIN_SPACING_S
     assert second.interval_s >= 0.02
     with pytest.raises(AssertionError):

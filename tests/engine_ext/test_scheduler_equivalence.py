@@ -1,16 +1,20 @@
 """With no binding limit, the output-rate schedulers decide exactly as upstream.
 
 The same request trace runs through vLLM's own Scheduler/AsyncScheduler and
-through ours; every SchedulerOutput is compared field by field.
+through ours; every SchedulerOutput is compared field by field. A user whose
+limit is in shadow is scheduled exactly as an unlimited one, however binding the
+limit (beside enforced users or with everyone in shadow).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from engine_ext.limit_table import LimitTable
 from engine_ext.planner import AdmissionGate, StepPlan, StepPlanner
 from harness.scheduler import (
     FakeClock,
@@ -19,6 +23,7 @@ from harness.scheduler import (
     make_request,
     make_scheduler,
 )
+from output_rate_core import protocol as p
 
 
 def trace_requests(seed: int) -> list[tuple[int, dict]]:
@@ -108,8 +113,32 @@ def summarize(out: SchedulerOutput) -> tuple:
 
 
 def run(
-    scenario: str, *, limited: bool, async_scheduling: bool, default_rate: int | None
+    scenario: str,
+    *,
+    limited: bool,
+    async_scheduling: bool,
+    default_rate: int | None,
+    snapshot: p.Snapshot | None = None,
 ) -> list[tuple]:
+    return run_scheduler(
+        scenario,
+        limited=limited,
+        async_scheduling=async_scheduling,
+        default_rate=default_rate,
+        snapshot=snapshot,
+    )[0]
+
+
+def run_scheduler(
+    scenario: str,
+    *,
+    limited: bool,
+    async_scheduling: bool,
+    default_rate: int | None,
+    snapshot: p.Snapshot | None = None,
+) -> tuple[list[tuple], Any]:
+    """(every step's summary, the scheduler); ``snapshot``: limits as the control plane
+    would send them, installed through the engine's limit table."""
     clock = FakeClock()
     sched = make_scheduler(
         async_scheduling=async_scheduling,
@@ -119,6 +148,8 @@ def run(
         clock=clock,
         **SCENARIOS[scenario]["scheduler"],
     )
+    if snapshot is not None:
+        LimitTable.from_snapshot(snapshot).load(sched.output_rate_limiter)
     arrivals = SCENARIOS[scenario]["arrivals"]
     # step -> structured-output requests whose grammar is ready at that step.
     grammars_ready: dict[int, list] = {}
@@ -137,7 +168,7 @@ def run(
 
     trace = drive(sched, num_steps=900, clock=clock, step_ms=10, on_step=arrive, keep_outputs=True)
     assert len(trace.finished) == len(arrivals)
-    return [summarize(o) for o in trace.outputs]
+    return [summarize(o) for o in trace.outputs], sched
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -187,3 +218,80 @@ def test_upstream_schedules_only_running_requests_and_those_the_gate_admitted(
     assert num_steps[0] > 100
     if scenario != "long-prefill":
         assert num_steps[1] > 0, "the trace should leave a charged request unscheduled"
+
+
+def _snapshot(
+    *,
+    default_rate: int | None = None,
+    default_enforcement: p.Enforcement | None = None,
+    users: dict[str, tuple[str | None, int | None]] | None = None,
+    user_enforcements: dict[str, p.Enforcement] | None = None,
+) -> p.Snapshot:
+    return p.Snapshot(
+        version=1,
+        default_rate=default_rate,
+        tiers={"slow": 20},
+        users=users or {},
+        default_enforcement=default_enforcement,
+        tier_enforcements={"slow": "shadow"},
+        user_enforcements=user_enforcements or {},
+    )
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_shadow_user_beside_an_enforced_one_is_scheduled_as_unlimited(
+    scenario: str, async_scheduling: bool
+) -> None:
+    """User "a" in shadow (its tier's 20 tok/s, far below what it uses) beside "b"
+    enforced at 120 tok/s: every step equals the run in which "a" has no limit."""
+    shadow, shadow_sched = run_scheduler(
+        scenario,
+        limited=True,
+        async_scheduling=async_scheduling,
+        default_rate=None,
+        snapshot=_snapshot(users={"a": ("slow", None), "b": (None, 120)}),
+    )
+    unlimited, unlimited_sched = run_scheduler(
+        scenario,
+        limited=True,
+        async_scheduling=async_scheduling,
+        default_rate=None,
+        snapshot=_snapshot(users={"b": (None, 120)}),
+    )
+    for step, (want, got) in enumerate(zip(unlimited, shadow, strict=True)):
+        assert got == want, f"step {step} differs"
+    planner = shadow_sched.output_rate_planner
+    assert planner.num_would_throttle.get("a", 0) > 0, "the shadow limit should bind"
+    assert set(planner.num_would_throttle) == {"a"}
+    # "b" is held alike in both runs, "a" never (one stream of "b" never binds).
+    assert planner.num_throttled == unlimited_sched.output_rate_planner.num_throttled
+    assert "a" not in planner.num_throttled
+    if scenario != "long-prefill":
+        assert planner.num_throttled.get("b", 0) > 0
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_everyone_in_shadow_decides_as_upstream(scenario: str, async_scheduling: bool) -> None:
+    """The default in shadow at a binding rate, "b" in shadow on its own override:
+    upstream's decisions, step by step, and would-throttles counted."""
+    upstream = run(scenario, limited=False, async_scheduling=async_scheduling, default_rate=None)
+    ours, sched = run_scheduler(
+        scenario,
+        limited=True,
+        async_scheduling=async_scheduling,
+        default_rate=None,
+        snapshot=_snapshot(
+            default_rate=10,
+            default_enforcement="shadow",
+            users={"b": (None, 15)},
+            user_enforcements={"b": "shadow"},
+        ),
+    )
+    assert not sched.output_rate_limiter.is_unlimited  # the planner runs: shadow is counted
+    for step, (want, got) in enumerate(zip(upstream, ours, strict=True)):
+        assert got == want, f"step {step} differs"
+    planner = sched.output_rate_planner
+    assert planner.num_throttled == {}
+    assert planner.num_would_throttle.get("b", 0) > 0

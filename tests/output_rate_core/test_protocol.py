@@ -42,6 +42,24 @@ MESSAGES: list[p.Message] = [
     p.Heartbeat(13, "engine-1", "tiny", role="api"),
     p.Usage("engine-1", 1.02, {"a": 40, "b": 3}, {"a": 12}),
     p.Usage("engine-1", 1.02, {"c": 1}, {}, part=2, num_parts=3),
+    p.Usage("engine-1", 1.02, {"a": 40}, {}, would_throttle={"a": 9}),
+    p.Snapshot(
+        version=14,
+        default_rate=5,
+        tiers={"free": 20},
+        users={"a": ("free", None), "b": (None, 5)},
+        default_enforcement="shadow",
+        tier_enforcements={"free": "enforce"},
+        user_enforcements={"b": "shadow"},
+    ),
+    p.Delta(
+        15,
+        [
+            p.SetUser("a", None, 5, enforcement="shadow"),
+            p.SetTier("free", 30, enforcement="enforce"),
+            p.SetDefault(1, enforcement="shadow"),
+        ],
+    ),
     p.Resync("engine-1", 11),
     p.Resync("engine-1", 11, role="api"),
 ]
@@ -56,11 +74,18 @@ def test_every_message_round_trips(message: p.Message) -> None:
 
 def test_ops_are_tagged_as_in_the_change_log() -> None:
     rows: list[dict[str, object]] = [
-        {"op": "set_user", "user": "a", "tier": "free", "rate": None, "scope": None},
+        {
+            "op": "set_user",
+            "user": "a",
+            "tier": "free",
+            "rate": None,
+            "scope": None,
+            "enforcement": "shadow",
+        },
         {"op": "delete_user", "user": "a"},
-        {"op": "set_tier", "name": "free", "rate": 3, "scope": "engine"},
+        {"op": "set_tier", "name": "free", "rate": 3, "scope": "engine", "enforcement": None},
         {"op": "delete_tier", "name": "free"},
-        {"op": "set_default", "rate": None, "scope": "fleet"},
+        {"op": "set_default", "rate": None, "scope": "fleet", "enforcement": "enforce"},
     ]
     ops = p.ops_from_rows(rows)
     assert [type(op) for op in ops] == [
@@ -72,7 +97,7 @@ def test_ops_are_tagged_as_in_the_change_log() -> None:
     ]
     # The server sends typed ops; their encoding is exactly the stored rows.
     assert msgspec.json.decode(msgspec.json.encode(ops)) == rows
-    # Rows written before scopes existed read as "inherit".
+    # Rows written before scopes (or enforcement) existed read as "inherit".
     assert p.ops_from_rows([{"op": "set_user", "user": "a", "tier": None, "rate": 5}]) == [
         p.SetUser("a", None, 5, None)
     ]
@@ -108,6 +133,19 @@ BAD_FRAMES = {
     ),
     "usage negative": _frame(
         p.USAGE, {"engine_id": "e", "interval_s": 1.0, "granted": {"u": -1}, "throttled": {}}
+    ),
+    "usage negative would-throttle": _frame(
+        p.USAGE,
+        {
+            "engine_id": "e",
+            "interval_s": 1.0,
+            "granted": {},
+            "throttled": {},
+            "would_throttle": {"u": -1},
+        },
+    ),
+    "bad enforcement": _frame(
+        p.DELTA, {"version": 2, "ops": [{"op": "set_default", "enforcement": "dry"}]}
     ),
     "usage zero interval": _frame(
         p.USAGE, {"engine_id": "e", "interval_s": 0.0, "granted": {}, "throttled": {}}
@@ -183,6 +221,30 @@ def test_usage_naming_too_many_users_is_refused() -> None:
     many = {f"u{i}": 1 for i in range(p.MAX_USAGE_USERS + 1)}
     with pytest.raises(p.ProtocolError, match="too many"):
         p.decode(p.encode(p.Usage("e", 1.0, many, dict(many))))
+
+
+def test_usage_would_throttle_is_bounded_like_throttled() -> None:
+    many = {f"u{i}": 1 for i in range(p.MAX_USAGE_USERS + 1)}
+    with pytest.raises(p.ProtocolError, match="too many"):
+        p.decode(p.encode(p.Usage("e", 1.0, {}, {}, would_throttle=many)))
+    over = {"u": int(p.MAX_ENGINE_STEPS_PER_S * 2.0) + 2}
+    with pytest.raises(p.ProtocolError, match="would refuse more steps"):
+        p.decode(p.encode(p.Usage("e", 2.0, {}, {}, would_throttle=over)))
+    at = {"u": int(p.MAX_ENGINE_STEPS_PER_S * 2.0)}
+    assert p.decode(p.encode(p.Usage("e", 2.0, {}, {}, would_throttle=at))).would_throttle == at  # type: ignore[union-attr]
+
+
+def test_peers_without_enforcement_decode_as_inherit_and_empty() -> None:
+    """Frames of peers that predate shadow limits (no enforcement, no would_throttle)."""
+    usage = p.decode(
+        _frame(p.USAGE, {"engine_id": "e", "interval_s": 1.0, "granted": {"u": 1}, "throttled": {}})
+    )
+    assert usage == p.Usage("e", 1.0, {"u": 1}, {}, would_throttle={})
+    snapshot = p.decode(
+        _frame(p.SNAPSHOT, {"version": 1, "default_rate": 5, "tiers": {"t": 3}, "users": {}})
+    )
+    assert isinstance(snapshot, p.Snapshot)
+    assert (snapshot.default_enforcement, snapshot.tier_enforcements) == (None, {})
 
 
 def test_bad_rows_in_the_change_log_are_refused() -> None:

@@ -18,7 +18,10 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
+from control_plane.db import Database, make_engine
+from control_plane.usage.history import UsageRecorder
 from harness.servers import ControlPlane, free_port
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 from tests.web.browser import DESKTOP, PHONE, watched_page
 from tests.web.fleet import api_server, live_engine, seed, write_history
@@ -171,6 +174,73 @@ def test_the_scope_selects_save_and_the_user_page_says_where_its_scope_comes_fro
     admin.goto(f"{served.url}/ui/#/users/scoper")
     expect(scope).to_have_text("engine (inherited from tier basic: engine)")
     api(served, "PATCH", "/tiers/basic", json={"scope": None})
+
+
+def test_the_enforcement_selects_save_and_the_user_page_shows_what_shadow_would_hold(
+    admin: Page, served: ControlPlane
+) -> None:
+    api(served, "PUT", "/limits/shadowy", json={"tier": "basic", "output_tokens_per_second": 8})
+    # Two minutes ago an engine served 400 request-steps of which 100 were over the limit.
+    db = Database(make_engine(served.db_url))
+    try:
+        recorder = UsageRecorder(db, retention_days=7, clock=lambda: time.time() - 120)
+        recorder.add(p.Usage("hist", 60.0, {"shadowy": 400}, {}, would_throttle={"shadowy": 100}))
+        recorder.flush()
+    finally:
+        db.dispose()
+    admin.goto(f"{served.url}/ui/#/users/shadowy")
+    effective = admin.locator("#user-enforcement-effective")
+    expect(effective).to_have_text("enforce (inherited from the default: enforce)")
+    expect(admin.locator("#user-enforcement")).to_have_value("")
+    admin.select_option("#user-enforcement", "shadow")
+    admin.get_by_role("button", name="Save user shadowy").click()
+    toast(admin).to_contain_text("enforcement inherit → shadow")
+    after = limit(served, "shadowy")
+    assert (after["enforcement"], after["effective_enforcement"]) == ("shadow", "shadow")
+    assert (after["tier"], after["output_tokens_per_second"]) == ("basic", 8)
+    expect(effective).to_have_text("shadow: counted, not enforced (its own)")
+    # Its history names the change (an own enforcement is shown, an inherited one not).
+    expect(admin.locator("main")).to_contain_text("override 8 tok/s, enforcement shadow")
+    expect(admin.locator("#user-would-throttle")).to_have_text(
+        "25.0% of its request-steps in the last hour"
+    )
+
+    # A tier's enforcement, from its edit form; the tier is marked in the list.
+    admin.goto(f"{served.url}/ui/#/tiers")
+    admin.get_by_role("button", name="Edit tier basic").click()
+    admin.select_option("#edit-enforcement", "shadow")
+    admin.get_by_role("button", name="Save tier basic").click()
+    toast(admin).to_contain_text("Tier basic: enforcement inherit → shadow")
+    expect(admin.locator('#tiers tr[data-tier="basic"]')).to_contain_text("(shadow)")
+    assert tier(served, "basic")["enforcement"] == "shadow"
+    api(served, "PATCH", "/tiers/basic", json={"enforcement": None})
+
+    # The default's, confirmed with its effect; its PUT keeps the rate and scope.
+    before = api(served, "GET", "/default-limit").json()
+    admin.goto(f"{served.url}/ui/#/tiers")
+    admin.select_option("#default-enforcement", "shadow")
+    admin.get_by_role("button", name="Save default limit").click()
+    dialog = admin.locator("#confirm")
+    expect(dialog).to_contain_text("enforcement enforce → shadow")
+    dialog.get_by_role("button", name="Set the default enforcement to shadow").click()
+    toast(admin).to_contain_text("Default limit: enforcement enforce → shadow")
+    now = api(served, "GET", "/default-limit").json()
+    assert now["enforcement"] == "shadow"
+    assert (now["output_tokens_per_second"], now["scope"]) == (
+        before["output_tokens_per_second"],
+        before["scope"],
+    )
+    expect(admin.locator("#default-current")).to_contain_text("in shadow")
+    api(
+        served,
+        "PUT",
+        "/default-limit",
+        json={
+            "output_tokens_per_second": before["output_tokens_per_second"],
+            "scope": before["scope"],
+        },
+    )
+    api(served, "DELETE", "/limits/shadowy")
 
 
 def test_the_user_page_shows_the_rate_engines_report_now(admin: Page, served: ControlPlane) -> None:

@@ -22,6 +22,7 @@ def test_audit_pages_are_bounded_and_bulk_changes_paged(client: TestClient) -> N
                     "tier": None,
                     "output_tokens_per_second": i["output_tokens_per_second"],
                     "scope": None,
+                    "enforcement": None,
                 }
                 for i in items
             }

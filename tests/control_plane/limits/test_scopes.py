@@ -141,23 +141,28 @@ def test_a_scope_change_is_one_version_and_the_same_write_again_none(client: Tes
     assert [(e["action"], e["before"], e["after"]) for e in entries] == [
         (
             "put_default",
-            {"output_tokens_per_second": None, "scope": None},
-            {"output_tokens_per_second": None, "scope": "engine"},
+            {"output_tokens_per_second": None, "scope": None, "enforcement": None},
+            {"output_tokens_per_second": None, "scope": "engine", "enforcement": None},
         ),
         (
             "patch_tier",
-            {"output_tokens_per_second": 5, "scope": None, "description": ""},
-            {"output_tokens_per_second": 5, "scope": "engine", "description": ""},
+            {"output_tokens_per_second": 5, "scope": None, "enforcement": None, "description": ""},
+            {
+                "output_tokens_per_second": 5,
+                "scope": "engine",
+                "enforcement": None,
+                "description": "",
+            },
         ),
         (
             "patch_limit",
-            {"tier": None, "output_tokens_per_second": 5, "scope": "engine"},
-            {"tier": None, "output_tokens_per_second": 5, "scope": "fleet"},
+            {"tier": None, "output_tokens_per_second": 5, "scope": "engine", "enforcement": None},
+            {"tier": None, "output_tokens_per_second": 5, "scope": "fleet", "enforcement": None},
         ),
         (
             "put_limit",
-            {"tier": None, "output_tokens_per_second": 5, "scope": None},
-            {"tier": None, "output_tokens_per_second": 5, "scope": "engine"},
+            {"tier": None, "output_tokens_per_second": 5, "scope": None, "enforcement": None},
+            {"tier": None, "output_tokens_per_second": 5, "scope": "engine", "enforcement": None},
         ),
     ]
 
@@ -182,9 +187,17 @@ def test_the_change_log_carries_scopes_and_replays_to_the_snapshot(client: TestC
     snapshot = db.read_now(limits.load_snapshot)
     changes = db.read_now(limits.load_changes_since, 0)
     ops = [op for _, version_ops in changes for op in version_ops]
-    assert ops[0] == {"op": "set_tier", "name": "gold", "rate": 500, "scope": "engine"}
-    assert ops[2] == {"op": "set_default", "rate": 10, "scope": "engine"}
-    assert ops[3] == {"op": "set_user", "user": "a", "tier": "gold", "rate": None, "scope": "fleet"}
+    unset = {"enforcement": None}
+    assert ops[0] == {"op": "set_tier", "name": "gold", "rate": 500, "scope": "engine", **unset}
+    assert ops[2] == {"op": "set_default", "rate": 10, "scope": "engine", **unset}
+    assert ops[3] == {
+        "op": "set_user",
+        "user": "a",
+        "tier": "gold",
+        "rate": None,
+        "scope": "fleet",
+        **unset,
+    }
     assert ops[-1]["scope"] == "fleet"
     assert (snapshot.default_scope, snapshot.tier_scopes) == ("engine", {"gold": "engine"})
     assert snapshot.user_scopes == {"a": "fleet", "c": "engine", "d": "fleet"}

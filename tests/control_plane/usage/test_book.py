@@ -162,3 +162,32 @@ def test_bounds_count_all_parts_of_a_report_together() -> None:
     assert not book.add(p.Usage("e1", 1.0, {"b": R // 2 + 10}, {}, 1, 2))
     assert book.totals() == []
     assert refused(book) == {"users": 1, "tokens": 1}
+
+
+def test_would_throttles_are_a_fraction_of_the_request_steps_and_bounded() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    clock.now += 1.0
+    book.add(p.Usage("e1", 1.0, {"a": 40, "b": 10}, {"b": 10}, would_throttle={"a": 30}))
+    book.add(p.Usage("e2", 1.0, {"a": 40}, {}, would_throttle={"a": 10}))
+    # An engine claiming more would-throttles than steps is capped at 1.
+    book.add(p.Usage("e3", 1.0, {"c": 1}, {}, would_throttle={"c": 5}))
+    # Only a would-throttle count: the user is tracked, its fraction is 0 of no steps.
+    book.add(p.Usage("e4", 1.0, {}, {}, would_throttle={"d": 5}))
+    totals = {u.user: u for u in book.totals()}
+    assert totals["a"].would_throttle_fraction == pytest.approx(40 / 80)
+    assert totals["a"].throttled_fraction == 0.0
+    assert (totals["b"].would_throttle_fraction, totals["b"].throttled_fraction) == (0.0, 0.5)
+    assert totals["c"].would_throttle_fraction == 1.0
+    assert totals["d"].would_throttle_fraction == 0.0
+    clock.now += 20.0
+    assert book.totals() == []
+
+
+def test_would_throttle_steps_have_the_steps_pace() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    over = int(p.MAX_ENGINE_STEPS_PER_S * USAGE_BURST_S) + 2
+    assert not book.add(p.Usage("e1", 1.0, {}, {}, would_throttle={"a": over}))
+    assert book.refused.counts() == {"steps": 1}
+    assert book.add(p.Usage("e1", 1.0, {"a": 1}, {}, would_throttle={"a": 1}))

@@ -141,6 +141,27 @@ def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
     assert five["items"][0]["output_tokens_per_second"][1] == 10.0
 
 
+def test_would_throttles_are_summed_per_minute_and_shown_per_bucket(client: TestClient) -> None:
+    if 60 - time.time() % 60 < 10:  # keep the test inside one real minute
+        time.sleep(60 - time.time() % 60 + 0.1)
+    client.put("/limits/carol", json={"output_tokens_per_second": 10, "enforcement": "shadow"})
+    minute = int(time.time()) // 60 * 60
+    clock = FakeClock(minute - 120 + 1)  # 2 minutes ago
+    rec = recorder(client, clock)
+    rec.add(p.Usage("e1", 1.0, {"carol": 300}, {}, would_throttle={"carol": 200}))
+    rec.add(p.Usage("e2", 1.0, {"carol": 100, "dan": 5}, {}, would_throttle={"carol": 100}))
+    rec.flush()
+    since = datetime.fromtimestamp(minute - 180, UTC).isoformat()
+    body = client.get("/usage/history", params={"since": since, "order": "tokens"}).json()
+    carol, dan = body["items"]
+    assert (carol["user"], dan["user"]) == ("carol", "dan")
+    assert carol["would_throttle_fraction"][1] == 0.75  # 300 of 400 request-steps
+    assert carol["would_throttle_fraction"][0] is None  # a gap, not a zero
+    assert carol["throttled_fraction"][1] == 0.0
+    assert (carol["tokens"], carol["throttled"], carol["would_throttle"]) == (400, 0, 300)
+    assert dan["would_throttle_fraction"][1] == 0.0 and dan["would_throttle"] == 0
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

@@ -34,6 +34,8 @@ export function describe(action, value) {
       parts.push(rate === null ? "no override" : `override ${fmtRateUnit(rate)}`);
     else parts.push(`rate ${fmtRateUnit(rate)}`);
   }
+  // Only an own enforcement is named (null inherits), so records of before shadow read as before.
+  if (value.enforcement) parts.push(`enforcement ${value.enforcement}`);
   if ("description" in value)
     parts.push(value.description ? `description “${value.description}”` : "no description");
   if ("name" in value) parts.push(`name ${value.name}`);

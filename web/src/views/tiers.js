@@ -5,7 +5,7 @@ import { api, mergePatch, tierPath } from "../api.js";
 import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
 import { confirmEffect, FieldError, handleSubmit, toast } from "../feedback.js";
 import { rateField } from "../rate-field.js";
-import { scopeField, scopeWords } from "../scope-field.js";
+import { enforcementField, enforcementWords, scopeField, scopeWords } from "../scope-field.js";
 import { canWrite } from "../session.js";
 
 // A rate change for at least this many users is confirmed first.
@@ -26,7 +26,11 @@ export async function render(main) {
   let tiers = [];
   // The default's scope (null: fleet), which tiers without their own inherit.
   let defaultScope = null;
+  // The default's enforcement (null: enforce), likewise.
+  let defaultEnforcement = null;
   const defaultScopeWords = () => `the default: ${scopeWords(defaultScope, "fleet")}`;
+  const defaultEnforcementWords = () =>
+    `the default: ${enforcementWords(defaultEnforcement, "enforce")}`;
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Tiers and default limit"),
     section(
@@ -54,6 +58,11 @@ export async function render(main) {
       value: tier.scope,
       inheritLabel: `Inherit (${defaultScopeWords()})`,
     });
+    const enforcement = enforcementField({
+      id: "edit-enforcement",
+      value: tier.enforcement,
+      inheritLabel: `Inherit (${defaultEnforcementWords()})`,
+    });
     const description = h("input", {
       id: "edit-description",
       value: tier.description,
@@ -66,6 +75,7 @@ export async function render(main) {
       h("h3", { id: "tier-edit-title", tabindex: "-1" }, `Edit tier ${tier.name}`),
       rate.el,
       scope.el,
+      enforcement.el,
       h(
         "div",
         { class: "field" },
@@ -89,6 +99,8 @@ export async function render(main) {
       if (newRate !== tier.output_tokens_per_second) changes.output_tokens_per_second = newRate;
       const newScope = scope.value();
       if (newScope !== tier.scope) changes.scope = newScope;
+      const newEnforcement = enforcement.value();
+      if (newEnforcement !== tier.enforcement) changes.enforcement = newEnforcement;
       if (description.value !== tier.description) changes.description = description.value;
       if (!Object.keys(changes).length) return `Tier ${tier.name}: nothing changed.`;
       if (
@@ -117,6 +129,10 @@ export async function render(main) {
         );
       if ("scope" in changes)
         said.push(`scope ${scopeWords(tier.scope)} → ${scopeWords(view.scope)}`);
+      if ("enforcement" in changes)
+        said.push(
+          `enforcement ${enforcementWords(tier.enforcement)} → ${enforcementWords(view.enforcement)}`,
+        );
       if ("description" in changes) said.push("description updated");
       return `Tier ${tier.name}: ${said.join(", ")}.`;
     });
@@ -136,6 +152,11 @@ export async function render(main) {
       value: null,
       inheritLabel: "Inherit (the default's)",
     });
+    const enforcement = enforcementField({
+      id: "new-tier-enforcement",
+      value: null,
+      inheritLabel: "Inherit (the default's)",
+    });
     const description = h("input", {
       id: "new-tier-description",
       "data-field": "description",
@@ -147,6 +168,7 @@ export async function render(main) {
       h("div", { class: "field" }, h("label", { for: "new-tier-name" }, "Name"), name),
       rate.el,
       scope.el,
+      enforcement.el,
       h(
         "div",
         { class: "field" },
@@ -176,6 +198,7 @@ export async function render(main) {
         output_tokens_per_second: value,
         description: description.value,
         scope: scope.value(),
+        enforcement: enforcement.value(),
       });
       form.reset();
       rate.input.value = "";
@@ -185,24 +208,36 @@ export async function render(main) {
     return form;
   }
 
-  function defaultForm(current, currentScope) {
+  function defaultForm(current, currentScope, currentEnforcement) {
     const rate = rateField({ id: "default-rate", legend: "Default rate", value: current });
     const scope = scopeField({
       id: "default-scope",
       value: currentScope,
       inheritLabel: "Not set (fleet)",
     });
+    const enforcement = enforcementField({
+      id: "default-enforcement",
+      value: currentEnforcement,
+      inheritLabel: "Not set (enforce)",
+    });
     const form = h(
       "form",
       { id: "default-form", class: "stack" },
       rate.el,
       scope.el,
+      enforcement.el,
       h("button", { type: "submit" }, "Save default limit"),
     );
     handleSubmit(form, async () => {
       const value = rate.value();
       const newScope = scope.value();
-      if (value === current && newScope === currentScope) return "Default limit: nothing changed.";
+      const newEnforcement = enforcement.value();
+      const enforcementChanged = newEnforcement !== currentEnforcement;
+      if (value === current && newScope === currentScope && !enforcementChanged)
+        return "Default limit: nothing changed.";
+      const enforcementLine =
+        `enforcement ${enforcementWords(currentEnforcement, "enforce")} → ` +
+        enforcementWords(newEnforcement, "enforce");
       const lines = [];
       if (value !== current)
         lines.push(
@@ -214,23 +249,35 @@ export async function render(main) {
           "Every user without a scope of its own or its tier's: scope " +
             `${scopeWords(currentScope, "fleet")} → ${scopeWords(newScope, "fleet")}`,
         );
+      if (enforcementChanged)
+        lines.push(
+          `Every user without an enforcement of its own or its tier's: ${enforcementLine}`,
+        );
       lines.push("This includes users nobody has configured yet.");
       const ok = await confirmEffect(
         "Change the default limit?",
         lines,
-        value === current
-          ? `Set the default scope to ${scopeWords(newScope, "fleet")}`
-          : value === null
+        value !== current
+          ? value === null
             ? "Make the default unlimited"
-            : `Set the default to ${fmtInt(value)} tok/s`,
+            : `Set the default to ${fmtInt(value)} tok/s`
+          : newScope !== currentScope
+            ? `Set the default scope to ${scopeWords(newScope, "fleet")}`
+            : `Set the default enforcement to ${enforcementWords(newEnforcement, "enforce")}`,
       );
       if (!ok) return "Not changed.";
-      await api("PUT", "/default-limit", { output_tokens_per_second: value, scope: newScope });
+      // A PUT replaces all three: the enforcement is sent even when unchanged.
+      await api("PUT", "/default-limit", {
+        output_tokens_per_second: value,
+        scope: newScope,
+        enforcement: newEnforcement,
+      });
       await refresh(true);
       const said = [];
       if (value !== current) said.push(`${fmtRateUnit(current)} → ${fmtRateUnit(value)}`);
       if (newScope !== currentScope)
         said.push(`scope ${scopeWords(currentScope, "fleet")} → ${scopeWords(newScope, "fleet")}`);
+      if (enforcementChanged) said.push(enforcementLine);
       return `Default limit: ${said.join(", ")}.`;
     });
     return form;
@@ -238,9 +285,14 @@ export async function render(main) {
 
   let shownDefault;
   async function refreshDefault(force = false) {
-    const { output_tokens_per_second: rate, scope } = await api("GET", "/default-limit");
+    const {
+      output_tokens_per_second: rate,
+      scope,
+      enforcement,
+    } = await api("GET", "/default-limit");
     defaultScope = scope;
-    const key = JSON.stringify([rate, scope]);
+    defaultEnforcement = enforcement;
+    const key = JSON.stringify([rate, scope, enforcement]);
     if (!force && key === shownDefault) return;
     shownDefault = key;
     defaultBox.replaceChildren(
@@ -248,9 +300,10 @@ export async function render(main) {
         h(
           "p",
           { id: "default-current" },
-          `Now: ${fmtRateUnit(rate)}, scope ${scopeWords(scope, "fleet")}`,
+          `Now: ${fmtRateUnit(rate)}, scope ${scopeWords(scope, "fleet")}` +
+            (enforcement === "shadow" ? ", in shadow (counted, not enforced)" : ""),
         ),
-        writer ? defaultForm(rate, scope) : null,
+        writer ? defaultForm(rate, scope, enforcement) : null,
       ].filter(Boolean),
     );
   }
@@ -292,7 +345,12 @@ export async function render(main) {
                 "tr",
                 { dataset: { tier: t.name } },
                 h("td", {}, t.name),
-                h("td", {}, fmtRateUnit(t.output_tokens_per_second)),
+                h(
+                  "td",
+                  {},
+                  fmtRateUnit(t.output_tokens_per_second) +
+                    ((t.enforcement ?? defaultEnforcement) === "shadow" ? " (shadow)" : ""),
+                ),
                 h(
                   "td",
                   {},

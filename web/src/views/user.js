@@ -1,4 +1,5 @@
-// One user's page: the record, its scope and the shares engines hold of a fleet limit, a
+// One user's page: the record, its scope and enforcement (with what a limit in shadow
+// would have held back) and the shares engines hold of a fleet limit, a
 // form that changes only what was changed (merge patch), removal with its effect stated,
 // its API keys, the rate against the limit over time, its audit trail (with the bulk
 // changes that touched it).
@@ -10,12 +11,14 @@ import { fmtRateUnit, h, section, table } from "../dom.js";
 import { confirmEffect, handleSubmit, toast } from "../feedback.js";
 import { rateField } from "../rate-field.js";
 import { link, replaceParams } from "../router.js";
-import { scopeField, scopeWords } from "../scope-field.js";
+import { enforcementField, enforcementWords, scopeField, scopeWords } from "../scope-field.js";
 import { canWrite } from "../session.js";
 import { auditTable } from "./audit.js";
 
 const overrideWords = (rate) => (rate === null ? "none" : fmtRateUnit(rate));
 const fmtTokens = (rate) => `${rate.toFixed(1)} tok/s`;
+// The history window the would-throttle fraction is read over (GET /usage/history).
+const WOULD_THROTTLE_WINDOW_S = 3600;
 
 export async function render(main, route) {
   const user = route.arg;
@@ -57,6 +60,7 @@ export async function render(main, route) {
   let tiers = [];
   let defaultRate = null;
   let defaultScope = null;
+  let defaultEnforcement = null;
   let shown = null;
 
   const effective = (tier, override) =>
@@ -72,6 +76,14 @@ export async function render(main, route) {
     return tierScope !== null
       ? `tier ${tierName}: ${tierScope}`
       : `the default: ${scopeWords(defaultScope, "fleet")}`;
+  };
+
+  // Where an inherited enforcement comes from, likewise.
+  const enforcementFrom = (tierName) => {
+    const own = tiers.find((t) => t.name === tierName)?.enforcement ?? null;
+    return own !== null
+      ? `tier ${tierName}: ${own}`
+      : `the default: ${enforcementWords(defaultEnforcement, "enforce")}`;
   };
 
   function form(view) {
@@ -95,12 +107,18 @@ export async function render(main, route) {
       value: view.scope,
       inheritLabel: `Inherit (${inheritedFrom(view.tier)})`,
     });
+    const enforcement = enforcementField({
+      id: "user-enforcement",
+      value: view.enforcement,
+      inheritLabel: `Inherit (${enforcementFrom(view.tier)})`,
+    });
     const el = h(
       "form",
       { id: "user-form", class: "stack" },
       h("div", { class: "field" }, h("label", { for: "user-tier" }, "Tier"), tier),
       override.el,
       scope.el,
+      enforcement.el,
       h(
         "div",
         { class: "row" },
@@ -128,6 +146,8 @@ export async function render(main, route) {
       if (newOverride !== view.output_tokens_per_second)
         changes.output_tokens_per_second = newOverride;
       if (newScope !== view.scope) changes.scope = newScope;
+      const newEnforcement = enforcement.value();
+      if (newEnforcement !== view.enforcement) changes.enforcement = newEnforcement;
       if (!Object.keys(changes).length) return `User ${user}: nothing changed.`;
       const before = view.effective_output_tokens_per_second;
       const after = effective(newTier, newOverride);
@@ -150,6 +170,11 @@ export async function render(main, route) {
         );
       if ("scope" in changes)
         said.push(`scope ${scopeWords(view.scope)} → ${scopeWords(result.scope)}`);
+      if ("enforcement" in changes)
+        said.push(
+          `enforcement ${enforcementWords(view.enforcement)} → ` +
+            enforcementWords(result.enforcement),
+        );
       const now = fmtRateUnit(result.effective_output_tokens_per_second);
       return `User ${user}: ${said.join(", ")}; now ${now} (${result.effective_scope} scope).`;
     });
@@ -183,18 +208,25 @@ export async function render(main, route) {
   }
 
   async function refresh(force = false) {
-    const [view, tierList, def, audit, list] = await Promise.all([
+    const since = new Date(Date.now() - WOULD_THROTTLE_WINDOW_S * 1000).toISOString();
+    const [view, tierList, def, audit, list, history] = await Promise.all([
       api("GET", userPath(user)),
       api("GET", "/tiers"),
       api("GET", "/default-limit"),
       api("GET", `/audit?${new URLSearchParams({ target: user, limit: "50" })}`),
       api("GET", `/limits?${new URLSearchParams({ q: user, limit: "1" })}`),
+      api("GET", `/usage/history?${new URLSearchParams({ user, since })}`),
       keys.refresh(),
     ]);
     view.configured = list.items.length > 0 && list.items[0].user === user;
     tiers = tierList.items;
     defaultRate = def.output_tokens_per_second;
     defaultScope = def.scope;
+    defaultEnforcement = def.enforcement;
+    // Over the window: of the user's request-steps, those a shadow limit would have refused.
+    const series = history.items[0];
+    const numSteps = series ? series.tokens + series.throttled : 0;
+    const wouldThrottle = numSteps ? Math.min(1, series.would_throttle / numSteps) : null;
     summary.replaceChildren(
       ...[
         h(
@@ -224,6 +256,26 @@ export async function render(main, route) {
               ? `${view.effective_scope} (inherited from ${inheritedFrom(view.tier)})`
               : `${view.effective_scope} (its own)`,
           ),
+          h("dt", {}, "Enforcement"),
+          h(
+            "dd",
+            { id: "user-enforcement-effective" },
+            (view.effective_enforcement === "shadow"
+              ? "shadow: counted, not enforced"
+              : view.effective_enforcement) +
+              (view.enforcement === null
+                ? ` (inherited from ${enforcementFrom(view.tier)})`
+                : " (its own)"),
+          ),
+          h("dt", {}, "Would be throttled"),
+          h(
+            "dd",
+            { id: "user-would-throttle" },
+            wouldThrottle === null
+              ? "no usage reported in the last hour"
+              : `${(wouldThrottle * 100).toFixed(1)}% of its request-steps in the last hour` +
+                  (view.effective_enforcement === "shadow" ? "" : " (while in shadow)"),
+          ),
           h("dt", {}, "Received now"),
           h(
             "dd",
@@ -252,9 +304,11 @@ export async function render(main, route) {
       view.tier,
       view.output_tokens_per_second,
       view.scope,
+      view.enforcement,
       view.configured,
       defaultScope,
-      tiers.map((t) => [t.name, t.output_tokens_per_second, t.scope]),
+      defaultEnforcement,
+      tiers.map((t) => [t.name, t.output_tokens_per_second, t.scope, t.enforcement]),
     ]);
     // The open form keeps what the operator typed unless the record changed.
     if (writer && (force || key !== shown)) {

@@ -274,7 +274,15 @@ export async function render(main, route) {
                     ? "–"
                     : fmtRateUnit(u.output_tokens_per_second),
                 ),
-                h("td", {}, fmtRateUnit(u.effective_output_tokens_per_second)),
+                h(
+                  "td",
+                  {},
+                  fmtRateUnit(u.effective_output_tokens_per_second) +
+                    (u.effective_enforcement === "shadow" &&
+                    u.effective_output_tokens_per_second !== null
+                      ? " (shadow)"
+                      : ""),
+                ),
                 h("td", {}, u.source),
                 h(
                   "td",
