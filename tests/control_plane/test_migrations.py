@@ -161,7 +161,7 @@ def test_0004_adds_api_keys_and_keeps_engine_rows_both_ways(db_url: str) -> None
 def test_0007_adds_enforcement_and_would_throttles_to_existing_rows_both_ways(
     db_url: str,
 ) -> None:
-    downgrade(db_url, "0005")
+    downgrade(db_url, "0006")
     engine = create_engine(db_url)
     try:
         with engine.begin() as conn:
@@ -205,7 +205,7 @@ def test_0007_adds_enforcement_and_would_throttles_to_existing_rows_both_ways(
         ):
             with pytest.raises(IntegrityError), engine.begin() as conn:
                 conn.execute(text(statement))
-        downgrade(db_url, "0005")
+        downgrade(db_url, "0006")
         tables = (*SCOPE_TABLES, "usage_minutes")
         columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in tables}
         assert not any(

@@ -59,7 +59,7 @@ def rows(engine: Engine, columns: str) -> list[tuple[Any, ...]]:
 
 
 def test_0008_types_existing_rows_and_its_downgrade_restores_them(db_url: str) -> None:
-    downgrade(db_url, "0005")
+    downgrade(db_url, "0007")
     engine = create_engine(db_url)
     try:
         insert_old_rows(engine)
@@ -107,7 +107,7 @@ def test_0008_types_existing_rows_and_its_downgrade_restores_them(db_url: str) -
             pro = client.get("/audit", params={"target": "pro"}).json()["items"][0]
             assert pro["change"] == {"target": "pro", "before": REC, "after": REC}
             client.app.state.control_plane.db.dispose()  # type: ignore[attr-defined]
-        downgrade(db_url, "0005")
+        downgrade(db_url, "0007")
         assert "audit_targets" not in inspect(engine).get_table_names()
         assert "target_kind" not in {c["name"] for c in inspect(engine).get_columns("audit_log")}
         assert rows(engine, "id, action, target") == old
@@ -118,7 +118,7 @@ def test_0008_types_existing_rows_and_its_downgrade_restores_them(db_url: str) -
 
 
 def test_0008_refuses_an_action_it_does_not_know(db_url: str) -> None:
-    downgrade(db_url, "0005")
+    downgrade(db_url, "0007")
     engine = create_engine(db_url)
     try:
         with engine.begin() as conn:

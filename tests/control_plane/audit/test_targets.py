@@ -120,10 +120,15 @@ def test_a_bulk_change_is_in_the_history_of_each_user_it_changed(
         ("bulk", "bulk_put_limits"),
         ("user", "put_limit"),
     ]
-    gold = {"tier": "gold", "output_tokens_per_second": None, "scope": None}
+    gold = {"tier": "gold", "output_tokens_per_second": None, "scope": None, "enforcement": None}
     assert history[0]["change"] == {
         "target": "acme-00100",
-        "before": {"tier": None, "output_tokens_per_second": 9, "scope": None},
+        "before": {
+            "tier": None,
+            "output_tokens_per_second": 9,
+            "scope": None,
+            "enforcement": None,
+        },
         "after": gold,
     }
     assert history[1]["change"] is None
