@@ -190,7 +190,10 @@ def test_only_the_throttled_user_is_throttled_and_its_rate_is_bounded(
     num_slow, span_slow = user_rate(traffic["slow"], skip=5)
     num_fast, span_fast = user_rate(traffic["fast"], skip=5)
     slow_rate = (num_slow - 1) / span_slow
-    assert (num_slow - 1) <= (span_slow + 0.2 + 0.1) * LIMIT + 1
+    # Client-side times: the GCRA burst (0.1 s) plus the stream's delivery jitter at both
+    # ends of the span (a first token delivered late shortens it; 0.5 s covers a loaded
+    # 2-core machine: 94 tokens in a 4.3 s span were seen once against 93 with 0.2 s).
+    assert (num_slow - 1) <= (span_slow + 0.5 + 0.1) * LIMIT + 1
     assert num_fast / max(span_fast, 1e-3) > slow_rate
 
 
