@@ -260,6 +260,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         db,
         retention_days=settings.usage_retention_days,
         max_users_per_minute=settings.usage_history_max_users_per_minute,
+        term=None if relay is None else (lambda: lease.term),
     )
     book.on_report.append(history.add)
     app = create_app(

@@ -14,7 +14,7 @@ from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fleet.view import FleetView, NoFleet
 from control_plane.limits import service as limits
-from control_plane.replicas.lease import database_now
+from control_plane.replicas.lease import LEADER, check_fence, database_now
 from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.
@@ -70,10 +70,17 @@ def list_engines(
 
 @service("write")
 def forget_engines(
-    conn: Connection, *, retention_s: float, never_applied_s: float = NEVER_APPLIED_RETENTION_S
+    conn: Connection,
+    *,
+    retention_s: float,
+    never_applied_s: float = NEVER_APPLIED_RETENTION_S,
+    fence: int | None = None,
 ) -> int:
     """Delete the rows of engines not seen for `retention_s`, and of those that never
-    applied a version not seen for `never_applied_s`; how many went."""
+    applied a version not seen for `never_applied_s`; how many went. ``fence``: the
+    leader's token (replicas), refused unless it still holds the lease."""
+    if fence is not None:
+        check_fence(conn, name=LEADER, token=fence)
     now = datetime.now(UTC)
     num = repo.delete_engines_seen_before(conn, now - timedelta(seconds=retention_s))
     return num + repo.delete_never_applied_before(conn, now - timedelta(seconds=never_applied_s))

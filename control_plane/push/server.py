@@ -55,7 +55,7 @@ from control_plane.engines import service as engines
 from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.keys import service as keys
 from control_plane.limits import service as limits
-from control_plane.replicas.lease import Term
+from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.replicas.relay import DOWN, FleetRelay
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
 from control_plane.usage.book import UsageBook
@@ -851,7 +851,12 @@ class PushServer:
         self.drops.flush(now)
         if now >= self._next_sweep:
             self._next_sweep = now + RETENTION_SWEEP_INTERVAL_S
-            self._db.run_now(engines.forget_engines, retention_s=self._engine_retention_s)
+            may_sweep, fence = fleet_work_token(self._term)
+            if may_sweep:
+                with contextlib.suppress(NotLeader):  # the lease moved: the new leader sweeps
+                    self._db.run_now(
+                        engines.forget_engines, retention_s=self._engine_retention_s, fence=fence
+                    )
 
     # ---- engine status in the database ------------------------------------
 

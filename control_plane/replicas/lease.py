@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -129,6 +130,16 @@ def current_token(conn: Connection, *, name: str = LEADER) -> int | None:
         .with_for_update(read=True)
     ).one()
     return int(row.token) if row.expires_at > database_now(conn) else None
+
+
+def fleet_work_token(term: Callable[[], Term | None] | None) -> tuple[bool, int | None]:
+    """(may run it now, fencing token) for work that runs once for the fleet (pruning,
+    engine expiry): with no lease (one replica) always, unfenced; else only while this
+    replica leads, fenced with its term's token."""
+    if term is None:
+        return True, None
+    current = term()
+    return current is not None, None if current is None else current.token
 
 
 @dataclass(frozen=True)

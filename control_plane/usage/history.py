@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from control_plane.db import Database
+from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
@@ -53,8 +54,11 @@ class UsageRecorder:
         max_users_per_minute: int = DEFAULT_HISTORY_MAX_USERS_PER_MINUTE,
         clock: Callable[[], float] = time.time,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        term: Callable[[], Term | None] | None = None,
     ) -> None:
         self._db = db
+        # Replicas: only the leader prunes (the rows are shared); None: this one does.
+        self._term = term
         self.retention_days = retention_days
         self.max_users_per_minute = max_users_per_minute
         self._clock = clock
@@ -137,8 +141,14 @@ class UsageRecorder:
             self._db.run_now(
                 service.record_usage, counts=dict(items[start : start + FLUSH_CHUNK_ROWS])
             )
-        if due:
-            self._db.run_now(service.prune_usage, now=now, retention_days=self.retention_days)
+        may_prune, fence = fleet_work_token(self._term)
+        if due and may_prune:
+            try:
+                self._db.run_now(
+                    service.prune_usage, now=now, retention_days=self.retention_days, fence=fence
+                )
+            except NotLeader:
+                return  # the lease moved meanwhile: the new leader prunes
             self._last_prune = now
 
     def start(self) -> None:

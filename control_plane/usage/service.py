@@ -10,6 +10,7 @@ from sqlalchemy import Connection
 from control_plane.db import service
 from control_plane.errors import InvalidInput
 from control_plane.limits import service as limits
+from control_plane.replicas.lease import LEADER, check_fence
 from control_plane.usage import repository as repo
 from control_plane.usage.book import UsageSource, UserUsage, would_throttle_fraction
 from control_plane.usage.schemas import HistorySeries, UsageHistoryOut, UsageList, UsageOut
@@ -73,8 +74,13 @@ def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, i
 
 
 @service("write")
-def prune_usage(conn: Connection, *, now: float, retention_days: int) -> int:
-    """Drop the rollups of minutes that ended more than `retention_days` before `now`."""
+def prune_usage(
+    conn: Connection, *, now: float, retention_days: int, fence: int | None = None
+) -> int:
+    """Drop the rollups of minutes that ended more than `retention_days` before `now`
+    (``fence``: the leader's token, refused unless it still holds the lease)."""
+    if fence is not None:
+        check_fence(conn, name=LEADER, token=fence)
     cutoff = int(now) - retention_days * 86_400 - MINUTE_S
     return repo.delete_usage_before(conn, cutoff)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from control_plane.db import Database, make_engine
 from control_plane.replicas import lease
@@ -117,3 +118,47 @@ def test_a_stopped_leader_is_replaced_and_wakes_as_a_follower(two_replicas) -> N
     woken = readiness(leader)
     assert woken["leader"] is False
     assert readiness(follower)["leader"] is True
+
+
+def test_fleet_wide_cleanup_runs_only_under_the_current_token(db: Database) -> None:
+    from control_plane.engines import service as engines
+    from control_plane.usage import service as usage
+
+    old = take(db, "a")
+    assert old is not None
+    db.run_now(lease.release, name=lease.LEADER, holder="a", token=old)
+    new = take(db, "b")
+    assert new is not None
+    for work in (
+        lambda token: db.run_now(engines.forget_engines, retention_s=60, fence=token),
+        lambda token: db.run_now(usage.prune_usage, now=time.time(), retention_days=7, fence=token),
+    ):
+        with pytest.raises(lease.NotLeader):
+            work(old)  # a former leader, woken late
+        work(new)
+    assert lease.fleet_work_token(None) == (True, None)  # one replica: always, unfenced
+    assert lease.fleet_work_token(lambda: None) == (False, None)  # a follower: never
+    term = lease.Term(new, time.monotonic() + 3)
+    assert lease.fleet_work_token(lambda: term) == (True, new)
+
+
+def test_a_follower_keeps_the_history_a_leader_prunes(db: Database) -> None:
+    from control_plane.usage import service as usage
+    from control_plane.usage.history import UsageRecorder
+
+    long_ago = time.time() - 30 * 86_400
+    db.run_now(usage.record_usage, counts={("old-user", int(long_ago) // 60 * 60): (5, 0, 0)})
+
+    def rows() -> int:
+        query = text("SELECT COUNT(*) FROM usage_minutes WHERE \"user\" = 'old-user'")
+        return int(db.read_now(lambda conn: conn.execute(query).scalar_one()))
+
+    assert rows() == 1
+    UsageRecorder(db, retention_days=7, term=lambda: None).flush()
+    assert rows() == 1  # not the leader: left for the leader
+    token = take(db, "leader-here")
+    assert token is not None
+    UsageRecorder(
+        db, retention_days=7, term=lambda: lease.Term(token, time.monotonic() + 3)
+    ).flush()
+    assert rows() == 0
