@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,15 @@ class Served:
             timeout=60,
             **kwargs,  # type: ignore[arg-type]
         )
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of its /metrics: ``name`` (``_total`` optional) with exactly
+        ``labels`` as shown there (e.g. '{kind="up"}'), or none."""
+        with self.client() as http:
+            text = http.get("/metrics").text
+        found = re.search(rf"^{name}(?:_total)?{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+        assert found is not None, name
+        return float(found.group(1))
 
 
 @contextmanager

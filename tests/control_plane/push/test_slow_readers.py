@@ -53,15 +53,6 @@ def silent_peer(context: zmq.Context, endpoint: str, name: str) -> zmq.Socket:
     return sock
 
 
-def metric(served: Served, name: str) -> float:
-    with served.client() as http:
-        text = http.get("/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 class Engine:
     """A real push client; ``put_and_wait`` times a write to its applying the version."""
 
@@ -102,7 +93,7 @@ def test_non_reading_peers_cost_bounded_memory_and_delay_no_delta(tmp_path: Path
             with served.client() as http:
                 baseline = sorted(engine.put_and_wait(http, f"base-{n}") for n in range(20))
             rss_before = rss_mb(served.process.pid)
-            sent_before = metric(served, "output_rate_push_snapshots_sent_total")
+            sent_before = served.metric("output_rate_push_snapshots_sent_total")
             resyncs_before = engine.client.num_resyncs
             peers = [
                 silent_peer(context, served.zmq_endpoint, f"silent-{i}")
@@ -117,7 +108,7 @@ def test_non_reading_peers_cost_bounded_memory_and_delay_no_delta(tmp_path: Path
                     flood.append(engine.put_and_wait(http, f"probe-{len(flood)}"))
                     time.sleep(0.1)
             growth = rss_mb(served.process.pid) - rss_before
-            snapshots = metric(served, "output_rate_push_snapshots_sent_total") - sent_before
+            snapshots = served.metric("output_rate_push_snapshots_sent_total") - sent_before
             flood.sort()
             print(
                 f"\n{NUM_SILENT_PEERS} silent peers asking every ~0.1 s for {FLOOD_S:.0f} s: "

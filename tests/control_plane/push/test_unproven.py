@@ -39,14 +39,6 @@ def synced(client: PushClient, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def metric(served: Served, name: str) -> float:
-    with served.client() as http:
-        for line in http.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(name)
-
-
 def test_a_flood_of_fresh_ids_neither_locks_out_known_engines_nor_lists_ghosts(
     tmp_path: Path,
 ) -> None:
@@ -76,12 +68,12 @@ def test_a_flood_of_fresh_ids_neither_locks_out_known_engines_nor_lists_ghosts(
             # The server has bound what it will (64) and refused the rest.
             deadline = time.monotonic() + 30
             unproven = "output_rate_push_unproven_connections"
-            while metric(served, unproven) < MAX_UNPROVEN_PEERS:
+            while served.metric(unproven) < MAX_UNPROVEN_PEERS:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             time.sleep(1.0)
-            assert metric(served, unproven) == MAX_UNPROVEN_PEERS
-            assert metric(served, "output_rate_engines_connected") == 0
+            assert served.metric(unproven) == MAX_UNPROVEN_PEERS
+            assert served.metric("output_rate_engines_connected") == 0
 
             # A known engine comes back in the middle of the flood: served at once.
             back = engine(served, "known")

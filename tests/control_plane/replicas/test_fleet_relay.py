@@ -8,7 +8,6 @@ leader is stopped."""
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -103,14 +102,6 @@ def readiness(served: Served) -> dict[str, object]:
     return httpx.get(f"{served.url}/readyz", timeout=5).json()
 
 
-def metric(served: Served, name: str, labels: str = "") -> float:
-    with served.client() as http:
-        text = http.get("/metrics").text
-    found = re.search(rf"^{name}(?:_total)?{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    assert found is not None, name
-    return float(found.group(1))
-
-
 def reached(fleet: Fleet, target: dict[str, int]) -> bool:
     return fleet.shares() == target
 
@@ -165,9 +156,9 @@ def test_engine_ids_are_bound_on_one_replica_and_listed_connected_on_both(fleet:
     with serve(fleet.url, fleet.workdir, env={"OUTPUT_RATE_REPLICA_ID": "replica-c"}) as c:
         assert listed(c) == dict.fromkeys(STREAMS, True)
         assert listed(fleet.a) == dict.fromkeys(STREAMS, True)
-        assert metric(c, "output_rate_fleet_allocating") == 0
+        assert c.metric("output_rate_fleet_allocating") == 0
     # An engine id live on replica a cannot be claimed on b: no snapshot, counted.
-    before = metric(fleet.b, "output_rate_push_binds_refused_elsewhere")
+    before = fleet.b.metric("output_rate_push_binds_refused_elsewhere")
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -175,14 +166,14 @@ def test_engine_ids_are_bound_on_one_replica_and_listed_connected_on_both(fleet:
     try:
         sock.send(p.encode(p.Hello("a1", "tiny", 0)))
         deadline = time.monotonic() + 10
-        while metric(fleet.b, "output_rate_push_binds_refused_elsewhere") < before + 1:
+        while fleet.b.metric("output_rate_push_binds_refused_elsewhere") < before + 1:
             assert time.monotonic() < deadline, "the bind was not refused"
             time.sleep(0.1)
         assert sock.poll(500) == 0  # nothing was sent to it
     finally:
         sock.close()
         context.term()
-    assert metric(fleet.b, "output_rate_push_binds_refused_elsewhere") == before + 1
+    assert fleet.b.metric("output_rate_push_binds_refused_elsewhere") == before + 1
     # a1 still on a, untouched.
     fleet.until(lambda: True)
     assert fleet.engines[0].client.has_snapshot
@@ -199,11 +190,11 @@ def test_one_allocator_splits_the_limit_over_engines_on_both_replicas(fleet: Fle
     fleet.until(fleet.split_reached)
     assert sum_of(fleet.samples[-1]) == LIMIT * 1000
     # One allocator: the leader's. The follower sends no shares of its own.
-    assert metric(leader, "output_rate_fleet_allocating") == 1
-    assert metric(follower, "output_rate_fleet_allocating") == 0
-    assert metric(follower, "output_rate_fleet_share_frames") == 0
-    assert metric(leader, "output_rate_fleet_share_frames") > 0
-    assert metric(follower, "output_rate_fleet_relay_rows_written") > 0
+    assert leader.metric("output_rate_fleet_allocating") == 1
+    assert follower.metric("output_rate_fleet_allocating") == 0
+    assert follower.metric("output_rate_fleet_share_frames") == 0
+    assert leader.metric("output_rate_fleet_share_frames") > 0
+    assert follower.metric("output_rate_fleet_relay_rows_written") > 0
     # A change of demand on either replica moves shares on both, within the limit at
     # every sample: on an engine of the leader, and on one of the follower (its frames go
     # through the relay both ways).
@@ -226,8 +217,8 @@ def relay_load(fleet: Fleet) -> tuple[float, float]:
     """(rows written, write transactions) to the relay by both replicas so far."""
     rows = txs = 0.0
     for replica in (fleet.a, fleet.b):
-        rows += metric(replica, "output_rate_fleet_relay_rows_written")
-        txs += metric(replica, "output_rate_fleet_relay_transactions", '{kind="write"}')
+        rows += replica.metric("output_rate_fleet_relay_rows_written")
+        txs += replica.metric("output_rate_fleet_relay_transactions", '{kind="write"}')
     return rows, txs
 
 
@@ -322,15 +313,15 @@ def test_a_stopped_leader_is_replaced_and_one_allocator_goes_on(fleet: Fleet) ->
     # renewed every 3.3 s) outlasts the takeover.
     kept = [shares for at, shares in during if at - stopped_at < takeover_s]
     assert kept and all(shares == SPLIT for shares in kept)
-    assert metric(follower, "output_rate_fleet_allocating") == 1
+    assert follower.metric("output_rate_fleet_allocating") == 1
     # Woken, the old leader is a follower at once and allocates nothing (fenced).
-    frames_before = metric(leader, "output_rate_fleet_share_frames")
-    assert metric(leader, "output_rate_fleet_allocating") == 0
+    frames_before = leader.metric("output_rate_fleet_share_frames")
+    assert leader.metric("output_rate_fleet_allocating") == 0
     start = len(fleet.samples)
     deadline = time.monotonic() + 3
     fleet.until(lambda: time.monotonic() > deadline, timeout_s=10)
     assert not fleet.over(start)
     assert fleet.shares() == SPLIT
-    assert metric(leader, "output_rate_fleet_share_frames") == frames_before
-    assert metric(leader, "output_rate_fleet_allocating") == 0
+    assert leader.metric("output_rate_fleet_share_frames") == frames_before
+    assert leader.metric("output_rate_fleet_allocating") == 0
     assert readiness(follower)["leader"] is True
