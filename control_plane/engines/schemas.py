@@ -19,6 +19,10 @@ class EngineOut(BaseModel):
         description="Config version the engine's API server applied (its API keys); "
         "null: no API server of this engine is connected",
     )
+    home: str | None = Field(
+        description="Replica (OUTPUT_RATE_REPLICA_ID) the engine core is connected to; "
+        "null: no replica holds it now",
+    )
 
 
 class EngineList(BaseModel):

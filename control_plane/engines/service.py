@@ -61,6 +61,10 @@ def list_engines(
             api_applied_version=e.api_applied_version
             if (now - e.last_seen).total_seconds() <= timeout_s
             else None,
+            # A home that let the engine go (or no longer heard it) holds it no more.
+            home=e.home_replica
+            if e.home_seen_at is not None and (now - e.last_seen).total_seconds() <= timeout_s
+            else None,
         )
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s

@@ -62,3 +62,50 @@ def test_bulk_refuses_user_ids_no_route_can_address(client: TestClient) -> None:
         r = client.post("/limits:bulk", json={"items": [{"user": "ok"}, {"user": bad}]})
         assert r.status_code == 422 and r.json()["field"] == "items.1.user", bad
     assert client.get("/limits").json()["total"] == 0
+
+
+def test_home_names_the_replica_holding_the_engine(client: TestClient) -> None:
+    db: Database = client.app.state.control_plane.db  # type: ignore[attr-defined]
+    now = datetime.now(UTC)
+    stale = now - timedelta(seconds=60)
+
+    def add(conn, **_: object) -> None:  # type: ignore[no-untyped-def]
+        row = {"model": "m", "applied_version": 1, "connected": True, "first_seen": stale}
+        conn.execute(
+            insert(repo.engines),
+            [
+                {
+                    **row,
+                    "engine_id": "on-a",
+                    "last_seen": now,
+                    "home_replica": "a",
+                    "home_seen_at": now,
+                },
+                {
+                    **row,
+                    "engine_id": "silent",
+                    "last_seen": stale,
+                    "home_replica": "a",
+                    "home_seen_at": stale,
+                },
+                {
+                    **row,
+                    "engine_id": "single",
+                    "last_seen": now,
+                    "home_replica": None,
+                    "home_seen_at": None,
+                },
+            ],
+        )
+
+    db.write_now(add)
+
+    def homes() -> dict[str, str | None]:
+        return {e["engine_id"]: e["home"] for e in client.get("/engines").json()["items"]}
+
+    # A replica that stopped hearing its engine holds it no more; one control plane on
+    # its own (no replica id) homes nobody.
+    assert homes() == {"on-a": "a", "silent": None, "single": None}
+    # The replica lets go of it (its connection timed out, or it shuts down).
+    db.write_now(engines.disconnect_engines, engine_ids=["on-a"], replica="a")
+    assert homes()["on-a"] is None
