@@ -200,12 +200,16 @@ class Served:
         if self._closed:
             return
         self._closed = True
+        # The push endpoint first: its engines hear the goodbye and move to another replica
+        # now, not after the PostgreSQL sessions below end their waits (up to 0.5 s each).
+        # Their wake-ups of a closed push server do nothing; the relay still sends what
+        # the push thread handed it last.
+        self.push.close()
         for session in (self.announcer, self.listener):
             if session is not None:
                 session.close()
         if self.relay is not None:
             self.relay.close()
-        self.push.close()
         self.history.close()
         self.key_uses.close()
         self.lease.close()
