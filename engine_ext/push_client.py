@@ -51,6 +51,9 @@ from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
+# A replica silent this long is left for the next one (a new socket, a new HELLO): three
+# silences, so a replica restarting on its endpoint within it keeps its engines.
+RECONNECT_AFTER_S = 3 * p.SERVER_SILENCE_S
 # Usage reports go at most this often, half the rate the control plane takes (its clock
 # sees them bunched by the network): a report that comes sooner (an engine that goes
 # idle after every short request reports each time) is held, merged with the next one,
@@ -180,7 +183,7 @@ class PushConnection:
         client_secret_key: str | None = None,
         heartbeat_interval_s: float = p.HEARTBEAT_INTERVAL_S,
         silence_s: float = p.SERVER_SILENCE_S,
-        reconnect_after_s: float = 3 * p.SERVER_SILENCE_S,
+        reconnect_after_s: float = RECONNECT_AFTER_S,
         resync_retry_s: float = p.RESYNC_RETRY_S,
     ) -> None:
         if not endpoints:

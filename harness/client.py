@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ async def stream_completion(
     max_tokens: int,
     prompt: str = "Once upon a time",
     stop_after_tokens: int | None = None,
+    stop: asyncio.Event | threading.Event | None = None,
     **extra: Any,
 ) -> StreamResult:
     body: dict[str, Any] = {
@@ -84,6 +86,8 @@ async def stream_completion(
             result.completion_tokens = num_tokens
             if stop_after_tokens is not None and num_tokens >= stop_after_tokens:
                 break  # client cancels mid-stream: closing the response aborts it
+            if stop is not None and stop.is_set():
+                break  # likewise, once the caller has seen enough (checked per chunk)
     result.finished = time.monotonic()
     return result
 

@@ -110,12 +110,19 @@ class Process:
 
 
 class VllmServer(Process):
-    def __init__(self, log_path: Path, *flags: str, async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        *flags: str,
+        async_scheduling: bool = False,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.async_scheduling = async_scheduling
         command = vllm_command(self.port, *flags, async_scheduling=async_scheduling)
-        super().__init__(command, log_path, env=vllm_env())
+        # extra_env: e.g. the engine's CURVE secret key, which comes from the environment.
+        super().__init__(command, log_path, env={**vllm_env(), **(extra_env or {})})
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric over its label sets, from /metrics."""
