@@ -7,8 +7,10 @@ server identity, the engine's key bound to its id) and one tiny-model vLLM serve
 `--control-plane-endpoint a,b,c` and the engine's default timeouts. The tests run in order
 on that one stack (each leaves the engine on a live replica); the kill -9 failover time the
 first measures is the baseline of the last. Which replica holds the engine is read from
-GET /engines (`home`, `connected`). No speed floors: rates are bounded from above and
-compared side by side in the same run.
+GET /engines (`home`, `connected`); when the engine had its answer from the next replica,
+from the engine's own log (its clock, whole seconds), so that a stall of this process or
+of a replica's REST on the shared machine does not count as failover time. No speed
+floors: rates are bounded from above and compared side by side in the same run.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +59,10 @@ CLIENT_JITTER_S = 1.0
 # After the replica's kill, the engine leaves it once RECONNECT_AFTER_S passed since the
 # last frame it heard (at most the kill). Its IO thread checks that after every poll, which
 # wakes at least every heartbeat interval: up to HEARTBEAT_INTERVAL_S later. Then one HELLO,
-# the next replica's claim of the id and its snapshot, the engine's ACK at its next step,
-# the replica's status flush (0.2 s) and this test's poll: 2 s on this loaded machine.
-MOVE_SLACK_S = p.HEARTBEAT_INTERVAL_S + 2.0
-KILL9_MOVE_BOUND_S = RECONNECT_AFTER_S + MOVE_SLACK_S
+# the next replica's claim of the id (one transaction) and its snapshot: 0.5 s. Timed on
+# the engine's clock, from its log (whole seconds: up to 1 s more), so that a stall of this
+# test process or of the replica's REST on the shared machine does not count.
+KILL9_ANSWERED_BOUND_S = RECONNECT_AFTER_S + p.HEARTBEAT_INTERVAL_S + 0.5 + 1.0
 WAIT_S = 60.0
 POLL_S = 0.05
 
@@ -94,12 +98,13 @@ class Replica:
     def alive(self) -> bool:
         return self.cp is not None and self.cp.popen.poll() is None
 
-    def signal(self, sig: int) -> float:
-        """Send ``sig`` to the replica's process group; when it was sent (monotonic)."""
+    def signal(self, sig: int) -> tuple[float, float]:
+        """Send ``sig`` to the replica's process group; when it was sent (monotonic, and
+        wall clock for the engine's log)."""
         assert self.cp is not None
-        sent_at = time.monotonic()
+        sent_at, sent_wall = time.monotonic(), time.time()
         os.killpg(self.cp.popen.pid, sig)
-        return sent_at
+        return sent_at, sent_wall
 
     def reap(self) -> None:
         if self.cp is not None:
@@ -216,6 +221,29 @@ def wait_moved(survivor: Replica, away_from: Replica, since: float) -> tuple[str
             return row["home"], time.monotonic() - since
         time.sleep(POLL_S)
     raise AssertionError(f"the engine never left {away_from.replica_id}")
+
+
+# vLLM's log lines: "INFO 12-02 06:38:45 [push_client.py:499] ..." (local time).
+LOG_TIME = re.compile(r" (\d\d-\d\d \d\d:\d\d:\d\d) \[")
+
+
+def engine_logged(stack: Stack, text: str, since_wall: float) -> tuple[float, float]:
+    """Until the engine logs a line with ``text`` stamped at ``since_wall`` (time.time())
+    or later: (earliest, latest) seconds after ``since_wall`` it can have been written (the
+    stamps are whole seconds)."""
+    year = datetime.fromtimestamp(since_wall).year
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for line in stack.engine.log().splitlines():
+            found = LOG_TIME.search(line)
+            if text not in line or found is None:
+                continue
+            stamp = datetime.strptime(f"{year}-{found.group(1)}", "%Y-%m-%d %H:%M:%S")
+            at = stamp.timestamp()
+            if at + 1 > since_wall:
+                return max(0.0, at - since_wall), at + 1 - since_wall
+        assert time.monotonic() < deadline, f"the engine never logged {text!r}"
+        time.sleep(POLL_S)
 
 
 # ---- traffic ---------------------------------------------------------------------
@@ -365,9 +393,8 @@ def test_kill9_of_the_engines_replica_during_writes(stack: Stack) -> None:
         while sum(w[1] == home.replica_id for w in writer.acked) < 5:
             assert writer.error is None and time.monotonic() < deadline, writer.error
             time.sleep(POLL_S)
-        killed_at = home.signal(signal.SIGKILL)
+        killed_at, killed_wall = home.signal(signal.SIGKILL)
         new_home_id, moved_s = wait_moved(others[0], home, killed_at)
-        stack.measured["kill9_move_s"] = moved_s
         time.sleep(1.5)  # writes go on to the engine's new replica too
         writer.finish()
         # The last acknowledged write is the latest version: the engine must reach it.
@@ -377,15 +404,22 @@ def test_kill9_of_the_engines_replica_during_writes(stack: Stack) -> None:
         assert traffic.error is None, traffic.error
     assert traffic.error is None, traffic.error
     home.reap()
+    new_home = stack.by_id(new_home_id)
+    answered = engine_logged(
+        stack, f"control plane at {new_home.zmq_endpoint} answered", killed_wall
+    )
+    stack.measured["kill9_answered_s"] = answered[0]
     print(
-        f"kill -9 of {home.replica_id}: engine on {new_home_id} {moved_s:.2f}s later "
-        f"(bound {KILL9_MOVE_BOUND_S:.1f}s), at the latest version {applied_s:.2f}s after; "
-        f"{len(writer.acked)} writes acknowledged, {writer.failed} refused by the dead replica"
+        f"kill -9 of {home.replica_id}: the engine had its answer from {new_home_id} "
+        f"{answered[0]:.1f}-{answered[1]:.1f}s later (engine log; bound "
+        f"{KILL9_ANSWERED_BOUND_S:.1f}s), GET /engines showed it there {moved_s:.2f}s later, "
+        f"at the latest version {applied_s:.2f}s later; {len(writer.acked)} writes "
+        f"acknowledged, {writer.failed} refused by the dead replica"
     )
 
     # The engine reconnected to a survivor within the heartbeat timeout and its slack.
     assert new_home_id in {r.replica_id for r in others}
-    assert moved_s <= KILL9_MOVE_BOUND_S, moved_s
+    assert answered[1] <= KILL9_ANSWERED_BOUND_S, answered
     assert f"control plane at {home.zmq_endpoint} for {RECONNECT_AFTER_S:.1f}s" in (
         stack.engine.log()
     )
@@ -445,19 +479,25 @@ def test_the_killed_replica_restarts_and_rejoins(stack: Stack) -> None:
 def test_sigterm_moves_the_engine_at_once(stack: Stack) -> None:
     home = home_of(stack)
     survivor = next(r for r in stack.live() if r is not home)
-    sent_at = home.signal(signal.SIGTERM)
+    sent_at, sent_wall = home.signal(signal.SIGTERM)
     new_home_id, moved_s = wait_moved(survivor, home, sent_at)
     home.reap()
     others = [r for r in stack.replicas if r is not home]
     version = put(survivor, f"/limits/{SLOW}-after-term", {"output_tokens_per_second": 9})
     wait_engine(stack, lambda row: row["applied_version"] >= version, on=others)
-    kill9_s = stack.measured["kill9_move_s"]
+    new_home = stack.by_id(new_home_id)
+    # The replica's Goodbye, not a timeout, moved it.
+    engine_logged(stack, f"control plane at {home.zmq_endpoint} is shutting down", sent_wall)
+    answered = engine_logged(stack, f"control plane at {new_home.zmq_endpoint} answered", sent_wall)
+    kill9_s = stack.measured["kill9_answered_s"]
     print(
-        f"SIGTERM of {home.replica_id}: engine on {new_home_id} {moved_s:.2f}s later "
-        f"(kill -9 in this run: {kill9_s:.2f}s)"
+        f"SIGTERM of {home.replica_id}: the engine had its answer from {new_home_id} at most "
+        f"{answered[1]:.1f}s later (engine log), GET /engines showed it there {moved_s:.2f}s "
+        f"later; kill -9 in this run: at least {kill9_s:.1f}s"
     )
     assert new_home_id in {r.replica_id for r in others}
-    # The replica's Goodbye, not the heartbeat timeout, moved it.
-    assert f"control plane at {home.zmq_endpoint} is shutting down" in stack.engine.log()
-    assert moved_s < RECONNECT_AFTER_S
-    assert moved_s < kill9_s / 3, (moved_s, kill9_s)
+    # Faster than the silence timeout, let alone the reconnect timeout kill -9 costs.
+    assert answered[1] <= p.SERVER_SILENCE_S, answered
+    assert answered[1] < kill9_s / 2, (answered, kill9_s)
+    # Also as the replicas list it, stalls of this shared machine included.
+    assert moved_s < RECONNECT_AFTER_S, moved_s
