@@ -27,6 +27,53 @@ const main = document.getElementById("view");
 let current = null;
 let timer = null;
 let generation = 0;
+// The config version now, and the one the view was last drawn with.
+let latestVersion = null;
+let drawnVersion = null;
+
+// Forms of the view the operator typed into (search forms aside): the periodic refresh
+// does not redraw the view under them; it says when the data changed and offers a
+// reload. A form leaves the set when it is reset or replaced, or when it is submitted
+// (one that kept a field error still counts).
+const typed = new WeakSet();
+const SEARCH = "[role=search]";
+function markTyped(event) {
+  const form = event.target.closest?.("form");
+  if (form && !form.matches(SEARCH)) typed.add(form);
+}
+main.addEventListener("input", markTyped);
+main.addEventListener("change", markTyped);
+main.addEventListener("reset", (event) => typed.delete(event.target));
+main.addEventListener("submit", (event) => typed.delete(event.target), true);
+const unsaved = () =>
+  [...main.querySelectorAll("form")].some(
+    (form) =>
+      !form.matches(SEARCH) && (typed.has(form) || form.querySelector(".field-error:not(:empty)")),
+  );
+
+const changed = h(
+  "p",
+  { id: "data-changed", class: "banner", role: "status", hidden: true },
+  h("span", {}),
+  " ",
+  h(
+    "button",
+    {
+      type: "button",
+      id: "data-changed-reload",
+      onclick: () => route({ focus: false }),
+    },
+    "Reload (discards what you typed)",
+  ),
+);
+main.before(changed);
+
+function showChanged() {
+  changed.hidden = false;
+  changed.firstChild.textContent =
+    `Data changed since this view was drawn (version ${drawnVersion} → ${latestVersion}); ` +
+    "your unsaved input is kept.";
+}
 
 function showRole() {
   const role = document.getElementById("role");
@@ -39,6 +86,7 @@ function showRole() {
 async function showVersion() {
   try {
     const { version } = await api("GET", "/engines");
+    latestVersion = version;
     document.getElementById("version").textContent = `v${version}`;
   } catch (_) {
     /* shown by the view */
@@ -48,6 +96,7 @@ async function showVersion() {
 async function route({ focus = true } = {}) {
   const mine = ++generation;
   clearInterval(timer);
+  changed.hidden = true;
   if (current?.destroy) current.destroy();
   current = null;
   const r = parseHash();
@@ -99,15 +148,23 @@ async function route({ focus = true } = {}) {
     }
     if (current.refresh) {
       timer = setInterval(async () => {
+        if (unsaved()) {
+          await showVersion();
+          if (mine === generation && latestVersion !== drawnVersion) showChanged();
+          return;
+        }
+        changed.hidden = true;
         try {
           await current.refresh();
         } catch (error) {
           toast(error.message, "error");
         }
-        showVersion();
+        await showVersion();
+        drawnVersion = latestVersion;
       }, current.interval || 5000);
     }
-    showVersion();
+    await showVersion();
+    drawnVersion = latestVersion;
   } catch (error) {
     main.replaceChildren(
       h("h2", { class: "view-title" }, TITLES[r.view] || "Error"),

@@ -79,6 +79,7 @@ export async function render(main, route) {
               ),
             ),
             { id: "live-usage" },
+            { stack: true },
           )
         : h("p", { class: "hint" }, "No usage reported in the last 10 seconds."),
     );
