@@ -51,6 +51,10 @@ logger = logging.getLogger("control_plane")
 FLUSH_INTERVAL_S = 5.0
 # The limit model follows changes made on other replicas at least this often.
 LIMITS_REFRESH_S = 1.0
+# How far back the recorder remembers, per user, the end of the time reports covered and
+# a limit change: engines report about once a second, so a report reaching further back
+# (an interval_s of minutes) is counted in full, not merged with another engine's.
+COVER_HORIZON_S = 120.0
 PRUNE_INTERVAL_S = 600.0
 MAX_NEW_USERS_PER_ENGINE_PER_MINUTE = 1_000
 FLUSH_CHUNK_ROWS = 500
@@ -93,7 +97,7 @@ class UsageRecorder:
         # (user, minute start) -> the sums named by TOKENS ... LIMITED_TOKENS
         self._counts: dict[tuple[str, int], list[float]] = {}
         # The limit model and its version (None: not loaded yet); per user whose limit
-        # changed in the last MAX_USAGE_INTERVAL_S, when the recorder learnt of it and
+        # changed in the last COVER_HORIZON_S, when the recorder learnt of it and
         # what the user was held to before; per user, the end of the time its reports
         # covered so far (on this clock).
         self._model: LimitModel | None = None
@@ -162,8 +166,8 @@ class UsageRecorder:
         self._covered[user] = covered
 
     def _forget_before(self, now: float) -> None:
-        """Drop what no report can reach back to any more (a new minute began)."""
-        horizon = now - p.MAX_USAGE_INTERVAL_S
+        """Drop what reports of usual length no longer reach back to (a new minute began)."""
+        horizon = now - COVER_HORIZON_S
         self._changed = {u: c for u, c in self._changed.items() if c[0] > horizon}
         self._covered = {u: t for u, t in self._covered.items() if t > horizon}
 
@@ -196,10 +200,11 @@ class UsageRecorder:
         now = self._clock()
         with self._lock:
             before = {u: self._held(model, u) for u in self._covered}
+            active = set(before)
             for version, rows in changes:
                 for op in p.ops_from_rows(rows):
                     users = model.apply(op)
-                    moved = set(before) if users is EVERYONE else users & set(before)
+                    moved = active if users is EVERYONE else users & active
                     for user in moved:
                         if self._held(model, user) != before[user]:
                             self._changed[user] = (now, before[user])

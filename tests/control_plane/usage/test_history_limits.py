@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from control_plane.cli import downgrade, upgrade
-from control_plane.usage.history import UsageRecorder
+from control_plane.usage.history import LIMITS_REFRESH_S, UsageRecorder
 from output_rate_core import protocol as p
 
 MIGRATION = Path(__file__).parents[3] / "migrations/versions/0010_usage_limit_weight.py"
@@ -232,3 +232,24 @@ def test_0010_weighs_existing_rows_as_whole_minutes_and_downgrades(db_url: str) 
         upgrade(db_url)
     finally:
         engine.dispose()
+
+
+def test_the_running_recorder_follows_a_committed_change(client: TestClient) -> None:
+    client.put("/limits/live", json={"output_tokens_per_second": 100})
+    minute = past_minute(7)
+    clock = FakeClock(minute + 10)
+    rec = recorder(client, clock)
+    rec.add(p.Usage("e1", 10.0, {"live": 1000}, {}))  # held at 100 for 10 s
+    rec.start()
+    try:
+        clock.now = minute + 20
+        client.put("/limits/live", json={"output_tokens_per_second": 50})
+        # Its thread refreshes the limit model on the commit (and every second anyway).
+        time.sleep(3 * LIMITS_REFRESH_S)
+        clock.now = minute + 30
+        rec.add(p.Usage("e1", 10.0, {"live": 500}, {}))  # held at 50 from the change
+    finally:
+        rec.close()  # flushes
+    live = series(history(client, minute, user="live"), "live")
+    assert live["limit"][0] == 75.0
+    assert live["share_of_limit"][0] == 1.0
