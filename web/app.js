@@ -27,14 +27,11 @@ const main = document.getElementById("view");
 let current = null;
 let timer = null;
 let generation = 0;
-// The config version now, and the one the view was last drawn with.
-let latestVersion = null;
-let drawnVersion = null;
-
-// Forms of the view the operator typed into (search forms aside): the periodic refresh
-// does not redraw the view under them; it says when the data changed and offers a
-// reload. A form leaves the set when it is reset or replaced, or when it is submitted
-// (one that kept a field error still counts).
+// Forms of the view the operator typed into (search forms aside). The periodic refresh
+// redraws the view as before, but a typed form it replaced is put back as the operator
+// left it; if the redrawn one differed (the data behind it changed), a notice says so
+// and offers a reload. A form leaves the set when it is reset, replaced by the view
+// itself (after a save) or submitted (one that kept a field error still counts).
 const typed = new WeakSet();
 const SEARCH = "[role=search]";
 function markTyped(event) {
@@ -45,17 +42,34 @@ main.addEventListener("input", markTyped);
 main.addEventListener("change", markTyped);
 main.addEventListener("reset", (event) => typed.delete(event.target));
 main.addEventListener("submit", (event) => typed.delete(event.target), true);
-const unsaved = () =>
-  [...main.querySelectorAll("form")].some(
+const typedForms = () =>
+  [...main.querySelectorAll("form[id]")].filter(
     (form) =>
       !form.matches(SEARCH) && (typed.has(form) || form.querySelector(".field-error:not(:empty)")),
   );
 
+// A form's state: its markup without what submitting adds (errors, a disabled button)
+// and its controls' values. Taken when the operator first focuses a control, before
+// typing: what the form showed as drawn.
+function formState(form) {
+  const copy = form.cloneNode(true);
+  for (const error of copy.querySelectorAll(".field-error")) error.remove();
+  for (const el of [copy, ...copy.querySelectorAll("*")]) {
+    for (const name of ["aria-invalid", "aria-describedby", "disabled"]) el.removeAttribute(name);
+  }
+  const values = [...form.elements].map((el) => [el.id || el.name, el.value, el.checked]);
+  return copy.outerHTML + JSON.stringify(values);
+}
+const asDrawn = new WeakMap();
+main.addEventListener("focusin", (event) => {
+  const form = event.target.closest?.("form");
+  if (form && !asDrawn.has(form)) asDrawn.set(form, formState(form));
+});
+
 const changed = h(
   "p",
   { id: "data-changed", class: "banner", role: "status", hidden: true },
-  h("span", {}),
-  " ",
+  "Data changed since you began typing: the form keeps your unsaved input as it was drawn. ",
   h(
     "button",
     {
@@ -68,11 +82,18 @@ const changed = h(
 );
 main.before(changed);
 
-function showChanged() {
-  changed.hidden = false;
-  changed.firstChild.textContent =
-    `Data changed since this view was drawn (version ${drawnVersion} → ${latestVersion}); ` +
-    "your unsaved input is kept.";
+// One refresh of the view that keeps what the operator typed.
+async function refreshKeepingInput(view) {
+  const kept = typedForms().map((form) => ({ form, drawn: asDrawn.get(form) }));
+  await view.refresh();
+  for (const { form, drawn } of kept) {
+    if (form.isConnected) continue; // not redrawn
+    const fresh = main.querySelector(`form#${CSS.escape(form.id)}`);
+    if (!fresh) continue; // the view closed it
+    if (formState(fresh) !== drawn) changed.hidden = false;
+    fresh.replaceWith(form);
+  }
+  if (!typedForms().length) changed.hidden = true;
 }
 
 function showRole() {
@@ -86,7 +107,6 @@ function showRole() {
 async function showVersion() {
   try {
     const { version } = await api("GET", "/engines");
-    latestVersion = version;
     document.getElementById("version").textContent = `v${version}`;
   } catch (_) {
     /* shown by the view */
@@ -147,24 +167,17 @@ async function route({ focus = true } = {}) {
       }
     }
     if (current.refresh) {
+      const view = current;
       timer = setInterval(async () => {
-        if (unsaved()) {
-          await showVersion();
-          if (mine === generation && latestVersion !== drawnVersion) showChanged();
-          return;
-        }
-        changed.hidden = true;
         try {
-          await current.refresh();
+          await refreshKeepingInput(view);
         } catch (error) {
           toast(error.message, "error");
         }
-        await showVersion();
-        drawnVersion = latestVersion;
+        showVersion();
       }, current.interval || 5000);
     }
-    await showVersion();
-    drawnVersion = latestVersion;
+    showVersion();
   } catch (error) {
     main.replaceChildren(
       h("h2", { class: "view-title" }, TITLES[r.view] || "Error"),

@@ -261,15 +261,20 @@ def test_a_form_keeps_typed_input_across_a_refresh(browser: Browser, served: Con
         expect(page.locator("#user-tier option[value=made-meanwhile]")).to_have_count(1)
         expect(page.locator("#user-override-rate")).to_have_value("45")
         expect(notice).to_be_hidden()
-        # The tiers view (5 s): a half-typed new tier survives another's change.
+        # The tiers view (5 s): the half-typed default survives another's change of it,
+        # while the rest of the view (the list of tiers) refreshes.
         page.goto(f"{served.url}/ui/#/tiers")
         expect(page.locator('#view[data-ready="tiers"]')).to_have_count(1)
-        page.locator("#new-tier-name").fill("half-typed")
+        page.locator("#default-rate-rate").fill("123")
+        api(served, "PUT", "/default-limit", json={"output_tokens_per_second": 6})
         api(served, "PUT", "/tiers/made-later", json={"output_tokens_per_second": 8})
         expect(notice).to_be_visible()
-        expect(page.locator("#new-tier-name")).to_have_value("half-typed")
-        # With nothing typed, a refresh redraws as before: the new tier appears.
+        expect(page.get_by_text("made-later", exact=True).first).to_be_visible()
+        expect(page.locator("#default-rate-rate")).to_have_value("123")
         page.locator("#data-changed-reload").click()
+        expect(page.locator("#default-rate-rate")).to_have_value("6")
+        expect(notice).to_be_hidden()
+        # With nothing typed, a refresh redraws as before: the new tier appears.
         api(served, "PUT", "/tiers/made-last", json={"output_tokens_per_second": 7})
         expect(page.get_by_text("made-last", exact=True).first).to_be_visible()
         expect(notice).to_be_hidden()
