@@ -118,8 +118,11 @@ class UsageRecorder:
         self._thread: threading.Thread | None = None
 
     def add(self, report: p.Usage) -> None:
-        if self._model is None:
-            self.refresh_limits()  # once: the thread keeps it current from then on
+        if self._model is None:  # not started (tests), or the database was down
+            try:
+                self.refresh_limits()
+            except Exception:  # counted below as under no known limit
+                logger.exception("usage history: the limit model could not be loaded")
         now = self._clock()
         minute = int(now) // service.MINUTE_S * service.MINUTE_S
         with self._lock:
@@ -142,14 +145,12 @@ class UsageRecorder:
 
     def _weigh(self, row: list[float], user: str, report: p.Usage, now: float) -> None:
         """Add the seconds `report` covered for `user`, under which limits, to its row."""
-        assert self._model is not None
         tokens = report.granted.get(user, 0)
         # As /usage does: an interval no shorter than one engine needs for these tokens
         # at its bound, so a claimed tiny interval cannot make a huge rate.
         interval = max(report.interval_s, tokens / p.MAX_ENGINE_TOKENS_PER_S)
         start = now - interval
-        effective = self._model.effective(user)
-        held: Held = (effective.rate, effective.scope)
+        held: Held = (None, FLEET) if self._model is None else self._held(self._model, user)
         parts = [(start, now, held)]
         change = self._changed.get(user)
         if change is not None and start < change[0] < now:
@@ -272,6 +273,11 @@ class UsageRecorder:
             self._last_prune = now
 
     def start(self) -> None:
+        # Loaded here, not by the first report (on the push server's thread).
+        try:
+            self.refresh_limits()
+        except Exception:  # the database may be down for a while: the thread retries
+            logger.exception("usage history: the limit model could not be loaded")
         # A local change reaches the model as soon as it is committed.
         self._db.on_commit.append(self._on_commit)
         self._thread = threading.Thread(target=self._run, name="output-rate-history", daemon=True)
