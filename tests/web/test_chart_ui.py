@@ -171,6 +171,8 @@ def test_around_a_limit_change_a_held_user_never_reads_above_its_limit(
             "shadow"
         )
         page.locator("#toast").evaluate("t => t.hidden = true")
+        page.get_by_role("button", name="15 min").click()  # the change in the middle
+        expect(page.locator(".chart")).to_have_attribute("data-points", "16")
         page.locator(".history").screenshot(path=str(shots / "chart-limit-change.png"))
 
 

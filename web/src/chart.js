@@ -119,7 +119,8 @@ function endLabelPlugin(getLabels) {
               const values = u.data[series];
               const i = lastIndex(values);
               if (i < 0) return null;
-              return { y: u.valToPos(values[i], "y", true), text, colour };
+              const y = u.valToPos(values[i], "y", true);
+              return { y, at: y, text, colour };
             })
             .filter(Boolean)
             .sort((a, b) => a.y - b.y);
@@ -135,10 +136,18 @@ function endLabelPlugin(getLabels) {
           ctx.save();
           ctx.font = `${11 * px}px system-ui, sans-serif`;
           ctx.textBaseline = "middle";
+          ctx.textAlign = "left";
           const x = u.bbox.left + u.bbox.width + 4 * px;
-          for (const { y, text, colour } of labels) {
+          ctx.lineWidth = px;
+          for (const { y, at, text, colour } of labels) {
+            // A leader from the line's end to its label, where the label was pushed away.
+            ctx.strokeStyle = colour;
+            ctx.beginPath();
+            ctx.moveTo(x - 4 * px, at);
+            ctx.lineTo(x + 2 * px, y);
+            ctx.stroke();
             ctx.fillStyle = colour;
-            ctx.fillText(text, x, y);
+            ctx.fillText(text, x + 4 * px, y);
           }
           ctx.restore();
         },
@@ -289,11 +298,15 @@ export function historyChart({
 
   function draw(opts, data) {
     if (plot) plot.destroy();
+    const box = size(plotBox);
+    // Room on the right for the labels at the lines' ends (about 6.5 px a character at
+    // 11 px), at most a third of the width.
+    const longest = Math.max(0, ...labels.map((l) => l.text.length));
+    const room = Math.min(Math.round(box.width / 3), 16 + Math.ceil(6.5 * longest));
     plot = new uPlot(
       {
-        ...size(plotBox),
-        // Room on the right for the labels at the lines' ends.
-        padding: [12, 84, 0, 0],
+        ...box,
+        padding: [12, room, 0, 0],
         ...opts,
         plugins: [markerPlugin(() => marks), endLabelPlugin(() => labels)],
       },
