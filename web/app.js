@@ -85,15 +85,19 @@ main.before(changed);
 // One refresh of the view that keeps what the operator typed.
 async function refreshKeepingInput(view) {
   const kept = typedForms().map((form) => ({ form, drawn: asDrawn.get(form) }));
-  await view.refresh();
-  for (const { form, drawn } of kept) {
-    if (form.isConnected) continue; // not redrawn
-    const fresh = main.querySelector(`form#${CSS.escape(form.id)}`);
-    if (!fresh) continue; // the view closed it
-    if (formState(fresh) !== drawn) changed.hidden = false;
-    fresh.replaceWith(form);
+  try {
+    await view.refresh();
+  } finally {
+    // Also when the refresh failed half way: what was typed is put back.
+    for (const { form, drawn } of kept) {
+      if (form.isConnected) continue; // not redrawn
+      const fresh = main.querySelector(`form#${CSS.escape(form.id)}`);
+      if (!fresh) continue; // the view closed it
+      if (formState(fresh) !== drawn) changed.hidden = false;
+      fresh.replaceWith(form);
+    }
+    if (!typedForms().length) changed.hidden = true;
   }
-  if (!typedForms().length) changed.hidden = true;
 }
 
 function showRole() {
