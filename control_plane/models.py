@@ -11,6 +11,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -300,6 +301,14 @@ class UsageMinute(Base):
     would_throttle: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # The user's effective limit when the minute was last written (null: unlimited).
     limit_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Seconds the reports covered (a user on two engines at once counts each second
+    # once); of them, the seconds a limit was in force; the sum over those seconds of the
+    # limit (fleet scope: once per second; engine scope: once per engine); and the tokens
+    # granted in them. The limit in force is limit_weight / limited_seconds.
+    reported_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    limited_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    limit_weight: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    limited_tokens: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
 
 class ReplicaLease(Base):

@@ -27,6 +27,78 @@ const main = document.getElementById("view");
 let current = null;
 let timer = null;
 let generation = 0;
+// Forms of the view the operator typed into (search forms aside). The periodic refresh
+// redraws the view as before, but a typed form it replaced is put back as the operator
+// left it; if the redrawn one differed (the data behind it changed), a notice says so
+// and offers a reload. A form leaves the set when it is reset, replaced by the view
+// itself (after a save) or submitted (one that kept a field error still counts).
+const typed = new WeakSet();
+const SEARCH = "[role=search]";
+function markTyped(event) {
+  const form = event.target.closest?.("form");
+  if (form && !form.matches(SEARCH)) typed.add(form);
+}
+main.addEventListener("input", markTyped);
+main.addEventListener("change", markTyped);
+main.addEventListener("reset", (event) => typed.delete(event.target));
+main.addEventListener("submit", (event) => typed.delete(event.target), true);
+const typedForms = () =>
+  [...main.querySelectorAll("form[id]")].filter(
+    (form) =>
+      !form.matches(SEARCH) && (typed.has(form) || form.querySelector(".field-error:not(:empty)")),
+  );
+
+// A form's state: its markup without what submitting adds (errors, a disabled button)
+// and its controls' values. Taken when the operator first focuses a control, before
+// typing: what the form showed as drawn.
+function formState(form) {
+  const copy = form.cloneNode(true);
+  for (const error of copy.querySelectorAll(".field-error")) error.remove();
+  for (const el of [copy, ...copy.querySelectorAll("*")]) {
+    for (const name of ["aria-invalid", "aria-describedby", "disabled"]) el.removeAttribute(name);
+  }
+  const values = [...form.elements].map((el) => [el.id || el.name, el.value, el.checked]);
+  return copy.outerHTML + JSON.stringify(values);
+}
+const asDrawn = new WeakMap();
+main.addEventListener("focusin", (event) => {
+  const form = event.target.closest?.("form");
+  if (form && !asDrawn.has(form)) asDrawn.set(form, formState(form));
+});
+
+const changed = h(
+  "p",
+  { id: "data-changed", class: "banner", role: "status", hidden: true },
+  "Data changed since you began typing: the form keeps your unsaved input as it was drawn. ",
+  h(
+    "button",
+    {
+      type: "button",
+      id: "data-changed-reload",
+      onclick: () => route({ focus: false }),
+    },
+    "Reload (discards what you typed)",
+  ),
+);
+main.before(changed);
+
+// One refresh of the view that keeps what the operator typed.
+async function refreshKeepingInput(view) {
+  const kept = typedForms().map((form) => ({ form, drawn: asDrawn.get(form) }));
+  try {
+    await view.refresh();
+  } finally {
+    // Also when the refresh failed half way: what was typed is put back.
+    for (const { form, drawn } of kept) {
+      if (form.isConnected) continue; // not redrawn
+      const fresh = main.querySelector(`form#${CSS.escape(form.id)}`);
+      if (!fresh) continue; // the view closed it
+      if (formState(fresh) !== drawn) changed.hidden = false;
+      fresh.replaceWith(form);
+    }
+    if (!typedForms().length) changed.hidden = true;
+  }
+}
 
 function showRole() {
   const role = document.getElementById("role");
@@ -48,6 +120,7 @@ async function showVersion() {
 async function route({ focus = true } = {}) {
   const mine = ++generation;
   clearInterval(timer);
+  changed.hidden = true;
   if (current?.destroy) current.destroy();
   current = null;
   const r = parseHash();
@@ -98,9 +171,10 @@ async function route({ focus = true } = {}) {
       }
     }
     if (current.refresh) {
+      const view = current;
       timer = setInterval(async () => {
         try {
-          await current.refresh();
+          await refreshKeepingInput(view);
         } catch (error) {
           toast(error.message, "error");
         }

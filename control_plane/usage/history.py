@@ -13,6 +13,20 @@ before; the rest of a report's users are left out of the history and counted. A 
 who already has a row this minute always counts. Writes go in transactions of
 FLUSH_CHUNK_ROWS rows with a pause between them, on the recorder's own thread, so a
 large flush neither holds the database's write lock nor the event loop's GIL for long.
+
+The limit in force, per part of a minute: the recorder keeps the limit model (the one
+engines hold, output_rate_core.limits.LimitModel) at the change log's newest version,
+refreshed on its thread right after each local commit and at least every
+LIMITS_REFRESH_S (changes made on another replica). A report that arrives at t covers
+[t - interval_s, t]; each user's part of it is weighted with the limit in force then,
+split at the moment the recorder learnt of a change (an engine applies a change at its
+next step, as quickly). Per user and minute it sums the seconds covered (the union over
+engines: two engines reporting the same second count it once), the seconds under a
+limit, limit x seconds (fleet scope: once per second, the limit is for the sum over
+engines; engine scope: once per engine and second, each engine enforces the whole
+rate), and the tokens granted under a limit. So a minute's limit in force is
+limit_weight / limited_seconds, and a user held at its limit reads 100 % of it whatever
+the limit did within the minute.
 """
 
 from __future__ import annotations
@@ -21,17 +35,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from control_plane.db import Database
+from control_plane.limits import service as limits
 from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
 from output_rate_core import protocol as p
+from output_rate_core.limits import EVERYONE, FLEET, LimitModel, Scope
 
 logger = logging.getLogger("control_plane")
 
 FLUSH_INTERVAL_S = 5.0
+# The limit model follows changes made on other replicas at least this often.
+LIMITS_REFRESH_S = 1.0
+# How far back the recorder remembers, per user, the end of the time reports covered and
+# a limit change: engines report about once a second, so a report reaching further back
+# (an interval_s of minutes) is counted in full, not merged with another engine's.
+COVER_HORIZON_S = 120.0
 PRUNE_INTERVAL_S = 600.0
 MAX_NEW_USERS_PER_ENGINE_PER_MINUTE = 1_000
 FLUSH_CHUNK_ROWS = 500
@@ -43,6 +66,13 @@ FLUSH_CHUNK_PAUSE_S = 0.005
 REFUSED_ENGINE_USERS = "history_engine_users"  # over one engine's new users this minute
 REFUSED_MINUTE_USERS = "history_users"  # over max_users_per_minute
 REFUSAL_REASONS = (REFUSED_ENGINE_USERS, REFUSED_MINUTE_USERS)
+
+# What one user is held to, as the history weighs it: (rate or None, scope).
+Held = tuple[int | None, Scope]
+# Per (user, minute): tokens granted, request-steps throttled, request-steps a shadow
+# limit would have throttled, seconds covered, seconds under a limit, limit x seconds,
+# tokens granted under a limit.
+TOKENS, THROTTLED, WOULD, REPORTED_S, LIMITED_S, WEIGHT, LIMITED_TOKENS = range(7)
 
 
 class UsageRecorder:
@@ -64,9 +94,18 @@ class UsageRecorder:
         self._clock = clock
         self._flush_interval_s = flush_interval_s
         self._lock = threading.Lock()
-        # (user, minute start) -> [tokens granted, request-steps throttled, request-steps
-        # a shadow limit would have throttled]
-        self._counts: dict[tuple[str, int], list[int]] = {}
+        # (user, minute start) -> the sums named by TOKENS ... LIMITED_TOKENS
+        self._counts: dict[tuple[str, int], list[float]] = {}
+        # The limit model and its version (None: not loaded yet); per user whose limit
+        # changed in the last COVER_HORIZON_S, when the recorder learnt of it and
+        # what the user was held to before; per user, the end of the time its reports
+        # covered so far (on this clock).
+        self._model: LimitModel | None = None
+        self._model_version = -1
+        self._changed: dict[str, tuple[float, Held]] = {}
+        self._covered: dict[str, float] = {}
+        self._refresh_lock = threading.Lock()
+        self._wake = threading.Event()
         # The users with a row in the current minute and in the one before it, and how
         # many users without a row the minute before each engine brought this minute.
         self._minute = -1
@@ -79,12 +118,19 @@ class UsageRecorder:
         self._thread: threading.Thread | None = None
 
     def add(self, report: p.Usage) -> None:
-        minute = int(self._clock()) // service.MINUTE_S * service.MINUTE_S
+        if self._model is None:  # not started (tests), or the database was down
+            try:
+                self.refresh_limits()
+            except Exception:  # counted below as under no known limit
+                logger.exception("usage history: the limit model could not be loaded")
+        now = self._clock()
+        minute = int(now) // service.MINUTE_S * service.MINUTE_S
         with self._lock:
             if minute != self._minute:
                 last = self._rows if minute == self._minute + service.MINUTE_S else set()
                 self._minute, self._rows, self._rows_before = minute, set(), last
                 self._num_new = {}
+                self._forget_before(now)
             users = {*report.granted, *report.throttled, *report.would_throttle}
             admitted = self._admit(report.engine_id, users)
             counts = self._counts
@@ -93,7 +139,82 @@ class UsageRecorder:
             ):
                 for user, n in report_counts.items():
                     if user in admitted:
-                        counts.setdefault((user, minute), [0, 0, 0])[index] += n
+                        counts.setdefault((user, minute), [0] * 7)[index] += n
+            for user in admitted:
+                self._weigh(counts[user, minute], user, report, now)
+
+    def _weigh(self, row: list[float], user: str, report: p.Usage, now: float) -> None:
+        """Add the seconds `report` covered for `user`, under which limits, to its row."""
+        tokens = report.granted.get(user, 0)
+        # As /usage does: an interval no shorter than one engine needs for these tokens
+        # at its bound, so a claimed tiny interval cannot make a huge rate.
+        interval = max(report.interval_s, tokens / p.MAX_ENGINE_TOKENS_PER_S)
+        start = now - interval
+        held: Held = (None, FLEET) if self._model is None else self._held(self._model, user)
+        parts = [(start, now, held)]
+        change = self._changed.get(user)
+        if change is not None and start < change[0] < now:
+            parts = [(start, change[0], change[1]), (change[0], now, held)]
+        covered = self._covered.get(user, start)
+        for begin, end, (rate, scope) in parts:
+            fresh = max(0.0, end - max(begin, covered))
+            covered = max(covered, end)
+            row[REPORTED_S] += fresh
+            if rate is not None:
+                row[LIMITED_S] += fresh
+                row[WEIGHT] += rate * (fresh if scope == FLEET else end - begin)
+                row[LIMITED_TOKENS] += tokens * (end - begin) / interval
+        self._covered[user] = covered
+
+    def _forget_before(self, now: float) -> None:
+        """Drop what reports of usual length no longer reach back to (a new minute began)."""
+        horizon = now - COVER_HORIZON_S
+        self._changed = {u: c for u, c in self._changed.items() if c[0] > horizon}
+        self._covered = {u: t for u, t in self._covered.items() if t > horizon}
+
+    def refresh_limits(self) -> None:
+        """Bring the limit model to the change log's newest version; the users whose limit
+        a change moved (of those reported lately) keep what held them before, from now.
+        Any thread (the history thread calls it; tests call it after a change)."""
+        with self._refresh_lock:
+            model = self._model
+            if model is not None:
+                changes = self._db.run_now(limits.load_changes_since, self._model_version)
+                if not changes:
+                    return
+                if changes[0][0] == self._model_version + 1:
+                    self._apply(changes)
+                    return
+            snapshot = self._db.run_now(limits.load_snapshot)
+            now = self._clock()
+            fresh = LimitModel.from_snapshot(snapshot)
+            with self._lock:
+                if model is not None:  # the log was pruned past the model: compare all
+                    for user in self._covered:
+                        if self._held(model, user) != self._held(fresh, user):
+                            self._changed[user] = (now, self._held(model, user))
+                self._model, self._model_version = fresh, snapshot.version
+
+    def _apply(self, changes: list[tuple[int, list[dict[str, Any]]]]) -> None:
+        model = self._model
+        assert model is not None
+        now = self._clock()
+        with self._lock:
+            before = {u: self._held(model, u) for u in self._covered}
+            active = set(before)
+            for version, rows in changes:
+                for op in p.ops_from_rows(rows):
+                    users = model.apply(op)
+                    moved = active if users is EVERYONE else users & active
+                    for user in moved:
+                        if self._held(model, user) != before[user]:
+                            self._changed[user] = (now, before[user])
+                self._model_version = version
+
+    @staticmethod
+    def _held(model: LimitModel, user: str) -> Held:
+        effective = model.effective(user)
+        return effective.rate, effective.scope
 
     def _admit(self, engine_id: str, users: set[str]) -> set[str]:
         """The users of a report that get (or have) a row this minute; counts the rest."""
@@ -134,7 +255,7 @@ class UsageRecorder:
             counts, self._counts = self._counts, {}
         now = self._clock()
         due = self._last_prune is None or now - self._last_prune >= PRUNE_INTERVAL_S
-        items = sorted((key, (v[0], v[1], v[2])) for key, v in counts.items())
+        items = sorted((key, tuple(v)) for key, v in counts.items())
         for start in range(0, len(items), FLUSH_CHUNK_ROWS):
             if start:
                 time.sleep(FLUSH_CHUNK_PAUSE_S)
@@ -152,18 +273,42 @@ class UsageRecorder:
             self._last_prune = now
 
     def start(self) -> None:
+        # Loaded here, not by the first report (on the push server's thread).
+        try:
+            self.refresh_limits()
+        except Exception:  # the database may be down for a while: the thread retries
+            logger.exception("usage history: the limit model could not be loaded")
+        # A local change reaches the model as soon as it is committed.
+        self._db.on_commit.append(self._on_commit)
         self._thread = threading.Thread(target=self._run, name="output-rate-history", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._on_commit in self._db.on_commit:
+            self._db.on_commit.remove(self._on_commit)
         self._flush_logged()
 
+    def _on_commit(self, version: int) -> None:
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self._flush_interval_s):
-            self._flush_logged()
+        next_flush = time.monotonic() + self._flush_interval_s
+        while not self._stop.is_set():
+            self._wake.wait(min(LIMITS_REFRESH_S, max(0.0, next_flush - time.monotonic())))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.refresh_limits()
+            except Exception:  # the database may be down for a while: keep the last model
+                logger.exception("usage history: the limit model could not be refreshed")
+            if time.monotonic() >= next_flush:
+                next_flush = time.monotonic() + self._flush_interval_s
+                self._flush_logged()
 
     def _flush_logged(self) -> None:
         try:

@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from control_plane.models import UsageMinute, table
 
 usage_minutes = table(UsageMinute)
+SUMMED_SECONDS = ("reported_seconds", "limited_seconds", "limit_weight", "limited_tokens")
 
 
 class UsageRow(NamedTuple):
@@ -20,10 +21,16 @@ class UsageRow(NamedTuple):
     throttled: int
     limit_rate: int | None
     would_throttle: int = 0
+    # What control_plane/usage/history.py weighs (the columns of models.UsageMinute).
+    reported_seconds: float = 0.0
+    limited_seconds: float = 0.0
+    limit_weight: float = 0.0
+    limited_tokens: float = 0.0
 
 
 def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
-    """Add the counts to each (user, minute) row, creating it if new; the limit is replaced."""
+    """Add the counts and seconds to each (user, minute) row, creating it if new; the
+    limit is replaced."""
     if not rows:
         return
     dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
@@ -35,6 +42,7 @@ def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
             "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
             "would_throttle": usage_minutes.c.would_throttle + statement.excluded.would_throttle,
             "limit_rate": statement.excluded.limit_rate,
+            **{name: usage_minutes.c[name] + statement.excluded[name] for name in SUMMED_SECONDS},
         },
     )
     conn.execute(statement, [r._asdict() for r in rows])
@@ -56,6 +64,7 @@ def usage_rows(
         usage_minutes.c.throttled,
         usage_minutes.c.limit_rate,
         usage_minutes.c.would_throttle,
+        *(usage_minutes.c[name] for name in SUMMED_SECONDS),
     ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
     if users is not None:
         query = query.where(usage_minutes.c.user.in_(list(users)))
@@ -78,3 +87,19 @@ def top_usage_users(
         .limit(limit)
     )
     return list(conn.execute(query).scalars())
+
+
+def fleet_minutes(conn: Connection, *, since: int, until: int) -> list[tuple[int, int, float]]:
+    """Per minute with since <= minute < until: (minute, tokens of every user, the most
+    seconds one user's reports covered), one grouped query (a row per minute)."""
+    query = (
+        select(
+            usage_minutes.c.minute,
+            func.sum(usage_minutes.c.tokens),
+            func.max(usage_minutes.c.reported_seconds),
+        )
+        .where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
+        .group_by(usage_minutes.c.minute)
+        .order_by(usage_minutes.c.minute)
+    )
+    return [(int(m), int(t), float(s)) for m, t, s in conn.execute(query)]

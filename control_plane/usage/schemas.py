@@ -28,10 +28,29 @@ class HistorySeries(BaseModel):
     )
     throttled_fraction: list[float | None]
     would_throttle_fraction: list[float | None]
-    limit: list[int | None] = Field(description="Per bucket: the limit then; null = unlimited")
+    limit: list[float | None] = Field(
+        description="Per bucket: the limit in force, time-weighted over the seconds a limit "
+        "was in force (a bucket spanning a change averages both); null = unlimited throughout"
+    )
+    share_of_limit: list[float | None] = Field(
+        description="Per bucket: tokens granted while a limit was in force over what that "
+        "limit allowed in that time (1 = at the limit); null = unlimited throughout"
+    )
+    limited_fraction: list[float | None] = Field(
+        description="Per bucket: the share of the reported seconds a limit was in force "
+        "(below 1: partly unlimited)"
+    )
     tokens: int
     throttled: int
     would_throttle: int
+
+
+class FleetHistory(BaseModel):
+    output_tokens_per_second: list[float | None] = Field(
+        description="Per bucket: every user's tokens over the seconds reported (the users "
+        "the history kept); null = nothing reported"
+    )
+    tokens: int
 
 
 class UsageHistoryOut(BaseModel):
@@ -41,3 +60,4 @@ class UsageHistoryOut(BaseModel):
     retention_days: int
     times: list[int] = Field(description="Unix time (s) each bucket starts")
     items: list[HistorySeries]
+    fleet: FleetHistory = Field(description="Every user together: the fleet's tokens/s")

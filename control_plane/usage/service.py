@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy import Connection
 
@@ -13,12 +12,20 @@ from control_plane.limits import service as limits
 from control_plane.replicas.lease import LEADER, check_fence
 from control_plane.usage import repository as repo
 from control_plane.usage.book import UsageSource, UserUsage, would_throttle_fraction
-from control_plane.usage.schemas import HistorySeries, UsageHistoryOut, UsageList, UsageOut
+from control_plane.usage.schemas import (
+    FleetHistory,
+    HistorySeries,
+    UsageHistoryOut,
+    UsageList,
+    UsageOut,
+)
 
 MINUTE_S = 60
 MAX_HISTORY_POINTS = 1440
 # GET /usage/history without since: this long before now.
 DEFAULT_HISTORY_S = 3600
+# A bucket's rate is over at least this many seconds (a report claims at least 1 ms).
+MIN_COVERED_S = 1e-3
 
 
 @service("scan")
@@ -56,21 +63,24 @@ def tier_rates(conn: Connection, usage: list[UserUsage]) -> dict[str | None, flo
 
 
 @service("write")
-def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[float, ...]]) -> None:
     """Add (user, minute start) -> (tokens granted, request-steps throttled, request-steps
-    a shadow limit would have throttled) to the per-minute rollups, each with the user's
-    effective limit now."""
+    a shadow limit would have throttled, seconds covered, seconds under a limit, limit x
+    seconds, tokens under a limit: control_plane/usage/history.py weighs them; 0 where
+    left out) to the per-minute rollups, each with the user's effective limit now."""
     if not counts:
         return
     users = sorted({user for user, _ in counts})
     rates = limits.effective_rates(conn, users)
-    repo.add_usage(
-        conn,
-        [
-            repo.UsageRow(user, minute, tokens, throttled, rates[user], would)
-            for (user, minute), (tokens, throttled, would) in sorted(counts.items())
-        ],
-    )
+    rows = []
+    for (user, minute), values in sorted(counts.items()):
+        tokens, throttled, would, *seconds = values
+        rows.append(
+            repo.UsageRow(
+                user, minute, int(tokens), int(throttled), rates[user], int(would), *seconds
+            )
+        )
+    repo.add_usage(conn, rows)
 
 
 @service("write")
@@ -100,10 +110,14 @@ def usage_history(
     """Reported usage in buckets of `step` seconds from `since` (default: an hour before
     `now`; a time without a zone is UTC) to `now`.
 
-    Per user and bucket: output tokens/s while reported (tokens over the reported
-    minutes; a bucket with no report is null, a gap), the throttled and would-throttle
-    fractions of request-steps, and the limit in force (null: unlimited). Without `user`, the `top`
-    users by throttled steps ("throttled") or tokens ("tokens")."""
+    Per user and bucket: output tokens/s while reported (tokens over the seconds the
+    reports covered; a bucket with no report is null, a gap), the throttled and
+    would-throttle fractions of request-steps, the limit in force (time-weighted over the
+    bucket's limited seconds; null: unlimited throughout), the share of it used (tokens
+    granted under a limit over what the limit allowed then) and the share of the covered
+    seconds under a limit. Without `user`, the `top` users by throttled steps
+    ("throttled") or tokens ("tokens"). `fleet`: every user's tokens per bucket over the
+    seconds covered (one grouped query, a row per minute)."""
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
     since_s = now - DEFAULT_HISTORY_S if since is None else since.timestamp()
@@ -127,29 +141,44 @@ def usage_history(
     )
     rows = repo.usage_rows(conn, users=users, since=start, until=end) if users else []
     times = [start + i * step for i in range(num_points)]
-    # user -> bucket -> [tokens, throttled, reported seconds, limit, would-throttle]
-    buckets: dict[str, dict[int, list[Any]]] = {u: {} for u in users}
+    # user -> bucket -> [tokens, throttled, would-throttle, seconds covered, seconds
+    # limited, limit x seconds, tokens under a limit]
+    buckets: dict[str, dict[int, list[float]]] = {u: {} for u in users}
     for row in rows:
-        index = (row.minute - start) // step
-        bucket = buckets[row.user].setdefault(index, [0, 0, 0.0, None, 0])
-        bucket[0] += row.tokens
-        bucket[1] += row.throttled
-        bucket[4] += row.would_throttle
-        # The current minute is only partly over.
-        bucket[2] += min(MINUTE_S, max(1.0, now - row.minute))
-        bucket[3] = row.limit_rate
+        bucket = buckets[row.user].setdefault((row.minute - start) // step, [0] * 7)
+        for index, value in enumerate(
+            (
+                row.tokens,
+                row.throttled,
+                row.would_throttle,
+                row.reported_seconds,
+                row.limited_seconds,
+                row.limit_weight,
+                row.limited_tokens,
+            )
+        ):
+            bucket[index] += value
     items = []
     for name in users:
         rates: list[float | None] = [None] * num_points
         throttled: list[float | None] = [None] * num_points
         would_fractions: list[float | None] = [None] * num_points
-        limit_rates: list[int | None] = [None] * num_points
+        limits_in_force: list[float | None] = [None] * num_points
+        shares: list[float | None] = [None] * num_points
+        limited_fractions: list[float | None] = [None] * num_points
         total_tokens = total_throttled = total_would = 0
-        for index, (tokens, steps, seconds, limit, would) in buckets[name].items():
-            rates[index] = round(tokens / seconds, 3)
+        for index, bucket in buckets[name].items():
+            tokens, steps, would = int(bucket[0]), int(bucket[1]), int(bucket[2])
+            seconds, limited, weight, limited_tokens = bucket[3:]
+            # Tokens over the seconds the reports covered: the current minute is as
+            # long as what has been written of it, not a dip.
+            rates[index] = round(tokens / max(seconds, MIN_COVERED_S), 3)
             throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
             would_fractions[index] = round(would_throttle_fraction(tokens, steps, would), 4)
-            limit_rates[index] = limit
+            limited_fractions[index] = round(min(1.0, limited / seconds), 4) if seconds else 0.0
+            if limited > 0 and weight > 0:
+                limits_in_force[index] = round(weight / limited, 3)
+                shares[index] = round(limited_tokens / weight, 4)
             total_tokens += tokens
             total_throttled += steps
             total_would += would
@@ -159,12 +188,26 @@ def usage_history(
                 output_tokens_per_second=rates,
                 throttled_fraction=throttled,
                 would_throttle_fraction=would_fractions,
-                limit=limit_rates,
+                limit=limits_in_force,
+                share_of_limit=shares,
+                limited_fraction=limited_fractions,
                 tokens=total_tokens,
                 throttled=total_throttled,
                 would_throttle=total_would,
             )
         )
+    fleet_tokens = [0] * num_points
+    fleet_seconds = [0.0] * num_points
+    for minute, tokens, seconds in repo.fleet_minutes(conn, since=start, until=end):
+        fleet_tokens[(minute - start) // step] += tokens
+        fleet_seconds[(minute - start) // step] += seconds
+    fleet = FleetHistory(
+        output_tokens_per_second=[
+            round(tokens / max(seconds, MIN_COVERED_S), 3) if seconds else None
+            for tokens, seconds in zip(fleet_tokens, fleet_seconds, strict=True)
+        ],
+        tokens=sum(fleet_tokens),
+    )
     return UsageHistoryOut(
         since=start,
         until=end,
@@ -172,4 +215,5 @@ def usage_history(
         retention_days=retention_days,
         times=times,
         items=items,
+        fleet=fleet,
     )

@@ -105,13 +105,16 @@ def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
     client.put("/limits/alice", json={"output_tokens_per_second": 50})
     now = time.time()
     minute = int(now) // 60 * 60
-    clock = FakeClock(minute - 600 + 1)  # 10 minutes ago
+    clock = FakeClock(minute - 600 + 59)  # 10 minutes ago
     rec = recorder(client, clock)
-    rec.add(usage({"alice": 600, "bob": 60}, {"alice": 200}))
+    # Reports covering the whole minute (the rate is over the seconds reports cover).
+    rec.add(p.Usage("e1", 59.0, {"alice": 600, "bob": 60}, {"alice": 200}))
     rec.flush()
-    clock.now = minute - 300 + 1  # 5 minutes ago, after a limit change
+    clock.now = minute - 300  # 5 minutes ago, a limit change
     client.put("/limits/alice", json={"output_tokens_per_second": 20})
-    rec.add(usage({"alice": 1200}))
+    rec.refresh_limits()
+    clock.now = minute - 300 + 59
+    rec.add(p.Usage("e1", 59.0, {"alice": 1180}, {}))
     rec.flush()
     since = datetime.fromtimestamp(minute - 900, UTC).isoformat()
     body = client.get("/usage/history", params={"since": since, "step": 60}).json()
@@ -123,13 +126,13 @@ def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
     assert [i["user"] for i in body["items"]] == ["alice", "bob"]
     alice = body["items"][0]
     rates = alice["output_tokens_per_second"]
-    assert rates[5] == 10.0  # 600 tokens in the minute
+    assert rates[5] == round(600 / 59, 3)  # 600 tokens in the 59 s reported
     assert rates[10] == 20.0
     # Minutes with no report are gaps, not zeros.
     assert rates[4] is None and rates[6] is None and rates[15] is None
     assert alice["limit"][5] == 50 and alice["limit"][10] == 20
     assert alice["throttled_fraction"][5] == 0.25
-    assert (alice["tokens"], alice["throttled"]) == (1800, 200)
+    assert (alice["tokens"], alice["throttled"]) == (1780, 200)
     one = client.get("/usage/history", params={"since": since, "user": "bob"}).json()
     assert [i["user"] for i in one["items"]] == ["bob"]
     busiest = client.get(
@@ -138,7 +141,7 @@ def test_the_endpoint_buckets_rates_gaps_and_limits(client: TestClient) -> None:
     assert [i["user"] for i in busiest["items"]] == ["alice"]
     # Buckets of 5 minutes: the rate is over the minutes reported.
     five = client.get("/usage/history", params={"since": since, "step": 300}).json()
-    assert five["items"][0]["output_tokens_per_second"][1] == 10.0
+    assert five["items"][0]["output_tokens_per_second"][1] == round(600 / 59, 3)
 
 
 def test_would_throttles_are_summed_per_minute_and_shown_per_bucket(client: TestClient) -> None:

@@ -67,7 +67,7 @@ export async function render(main, route) {
       top.length
         ? table(
             "most throttled users now",
-            ["User", "tok/s (10 s)", "Limit", "Throttled"],
+            ["User", "tok/s (10 s)", "Limit", "Throttled", "Would throttle (shadow)"],
             top.map((u) =>
               h(
                 "tr",
@@ -76,9 +76,18 @@ export async function render(main, route) {
                 h("td", {}, u.output_tokens_per_second_10s.toFixed(1)),
                 h("td", {}, fmtRateUnit(u.limit)),
                 h("td", {}, `${Math.round(u.throttled_fraction * 100)}%`),
+                // Only a shadow limit counts would-throttles.
+                h(
+                  "td",
+                  {},
+                  u.would_throttle_fraction > 0
+                    ? `${(u.would_throttle_fraction * 100).toFixed(1)}%`
+                    : "–",
+                ),
               ),
             ),
             { id: "live-usage" },
+            { stack: true },
           )
         : h("p", { class: "hint" }, "No usage reported in the last 10 seconds."),
     );

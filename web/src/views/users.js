@@ -292,6 +292,7 @@ export async function render(main, route) {
               ),
             ),
             { id: "users" },
+            { stack: true },
           )
         : h("p", { class: "hint" }, "No configured user matches."),
     );
