@@ -1,5 +1,6 @@
 // Engines: the version each applied, connected or not, the version its API server applied
-// (its API keys), the fleet users it holds a share for, last seen.
+// (its API keys), the fleet users it holds a share for, last seen; with replicas, the
+// replica each engine core is connected to.
 
 import { api } from "../api.js";
 import { fmtInt, fmtTime, h, plural, section, table } from "../dom.js";
@@ -25,6 +26,8 @@ export async function render(main) {
   async function refresh() {
     const { version, items } = await api("GET", "/engines");
     const behind = items.filter((e) => e.connected && e.applied_version < version).length;
+    // Only replicas on PostgreSQL name a home; one control plane shows no such column.
+    const replicas = items.some((e) => e.home);
     const applied = behind
       ? `${behind} connected not yet on it.`
       : "every connected engine applied it.";
@@ -42,6 +45,7 @@ export async function render(main) {
               "Model",
               "Applied version",
               "Connected",
+              ...(replicas ? ["Replica"] : []),
               "API server",
               "Fleet users shared",
               "Last seen",
@@ -60,6 +64,7 @@ export async function render(main) {
                     : String(e.applied_version),
                 ),
                 h("td", {}, e.connected ? "yes" : "no"),
+                ...(replicas ? [h("td", {}, e.home || "–")] : []),
                 apiServerCell(e.api_applied_version, version),
                 h("td", {}, fmtInt(e.num_shared_users)),
                 h("td", {}, fmtTime(e.last_seen)),
