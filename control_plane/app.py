@@ -35,6 +35,7 @@ from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
 from control_plane.replicas import relay as fleet_relay
 from control_plane.replicas.lease import LeaseKeeper, default_replica_id
+from control_plane.replicas.live_usage import FleetUsage, LiveUsageCollector
 from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
@@ -174,6 +175,7 @@ class Served:
     listener: ChangeListener | None = None
     announcer: ChangeAnnouncer | None = None
     relay: fleet_relay.FleetRelay | None = None
+    live_usage: FleetUsage | None = None
     _sqlite_lock: IO[str] | None = None
     _closed: bool = False
 
@@ -184,6 +186,8 @@ class Served:
         self.push.start()
         if self.relay is not None:
             self.relay.start()
+        if self.live_usage is not None:
+            self.live_usage.start()
         self.history.start()
         self.key_uses.start()
         if self.db.engine.dialect.name == "postgresql":
@@ -205,6 +209,8 @@ class Served:
                 session.close()
         if self.relay is not None:
             self.relay.close()
+        if self.live_usage is not None:
+            self.live_usage.close()
         self.push.close()
         self.history.close()
         self.key_uses.close()
@@ -233,6 +239,10 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
 
     key_uses = KeyUseRecorder(db)
     relay = None
+    # Live usage: this replica's book; with replicas, merged with the others' (SQLite: one).
+    usage_source: UsageSource = book
+    live: FleetUsage | None = None
+    collectors: list[Collector] = []
     if db.engine.dialect.name == "postgresql":
         with db.engine.connect() as conn:
             channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
@@ -250,6 +260,8 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         )
         relay.on_arrival = push.wake
         fleet: FleetView = CurrentFleet(lambda: push.fleet)
+        live = usage_source = FleetUsage(db, book, replica_id=replica_id)
+        collectors.append(LiveUsageCollector(live))
     else:
         push = PushServer.from_settings(
             settings, db=db, usage=book, fleet=make_fleet(), key_uses=key_uses.add
@@ -267,9 +279,9 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         settings,
         insecure_no_auth=insecure_no_auth,
         db=db,
-        usage_source=book,
+        usage_source=usage_source,
         fleet=fleet,
-        collectors=[PushCollector(push), UsageCollector(book, history)],
+        collectors=[PushCollector(push), UsageCollector(book, history, usage_source), *collectors],
         lease=lease,
     )
     served = Served(
@@ -281,6 +293,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         lease=lease,
         database_url=settings.database_url,
         relay=relay,
+        live_usage=live,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
     # the caller's own close may never come): engines hear the goodbye, counts are flushed,
