@@ -259,9 +259,15 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
             make_fleet=make_fleet,
         )
         relay.on_arrival = push.wake
-        fleet: FleetView = CurrentFleet(lambda: push.fleet)
-        live = usage_source = FleetUsage(db, book, replica_id=replica_id)
+        live = usage_source = FleetUsage(
+            db, book, replica_id=replica_id, term=lambda: lease.term, allocator=lambda: push.fleet
+        )
         collectors.append(LiveUsageCollector(live))
+        # The leader shows its allocator's shares; a follower, what the leader last wrote.
+        shared = live
+        fleet: FleetView = CurrentFleet(
+            lambda: push.fleet if push.fleet is not None else shared.shares()
+        )
     else:
         push = PushServer.from_settings(
             settings, db=db, usage=book, fleet=make_fleet(), key_uses=key_uses.add

@@ -360,3 +360,16 @@ class LiveUsageRow(Base):
     body: Mapped[bytes] = mapped_column(LargeBinary)
     # Database time of the write: readers take rows fresher than a few seconds.
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class FleetSharesRow(Base):
+    """The fleet shares as the leader holding ``token`` decided them (control_plane/
+    replicas/live_usage.py), rewritten about once a second under its fence: what followers
+    show in GET /limits/{user} and GET /engines. Only the current token's row is read."""
+
+    __tablename__ = "fleet_shares"
+
+    token: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    holder: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -34,8 +35,8 @@ from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from control_plane.db import Database, service
-from control_plane.models import LiveUsageRow, table
-from control_plane.replicas.lease import database_now
+from control_plane.models import FleetSharesRow, LiveUsageRow, table
+from control_plane.replicas.lease import LEADER, Term, current_token, database_now
 from control_plane.usage.book import (
     WINDOW_S,
     EngineWindow,
@@ -50,6 +51,7 @@ from output_rate_core import protocol as p
 logger = logging.getLogger(__name__)
 
 live_rows = table(LiveUsageRow)
+shares_rows = table(FleetSharesRow)
 
 SHARE_INTERVAL_S = 1.0
 # Rows not rewritten for this long are a stopped replica's: they no longer count.
@@ -135,6 +137,12 @@ def decode_window(engine_id: str, body: bytes, at: float) -> EngineWindow:
     )
 
 
+class Allocating(Protocol):
+    """What the leader's coordinator tells of its shares (fleet/coordinator.py)."""
+
+    def shares_table(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]: ...
+
+
 @dataclass(frozen=True)
 class RemoteRow:
     replica: str
@@ -144,19 +152,69 @@ class RemoteRow:
     age_s: float
 
 
+class SharesTable(msgspec.Struct, array_like=True, frozen=True):
+    """The leader's shares: user -> engine id -> milli-tokens/s it may be enforcing, and
+    engine id -> the users it holds a share for (fleet/view.py, FleetView)."""
+
+    shares: dict[str, dict[str, int]] = {}
+    num_shared: dict[str, int] = {}
+
+    def shares_of(self, user: str) -> dict[str, int]:
+        return dict(self.shares.get(user, {}))
+
+    def num_shared_users(self, engine_id: str) -> int:
+        return self.num_shared.get(engine_id, 0)
+
+
+_shares_encoder = msgspec.msgpack.Encoder()
+_shares_decoder = msgspec.msgpack.Decoder(SharesTable)
+NO_SHARES = SharesTable()
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What one transaction read: the other replicas' fresh rows, and the current
+    leader's shares (None: no fresh row of the token holding the lease)."""
+
+    rows: list[RemoteRow]
+    shares: bytes | None
+
+
 @service("write_batch")
 def share_usage(
     conn: Connection,
     *,
     replica: str,
     bodies: dict[str, bytes],
+    shares: tuple[int, bytes] | None = None,
     fresh_s: float = FRESH_S,
     keep_s: float = KEEP_S,
-) -> list[RemoteRow]:
+) -> Shared:
     """Write this replica's windows (engine id -> body), drop its rows of other engines
-    and rows nobody rewrote for ``keep_s``; return the other replicas' rows written
-    within ``fresh_s``. One transaction."""
+    and rows nobody rewrote for ``keep_s``; with ``shares`` (the leader's token, its
+    table), write them while that token holds the lease. Read the other replicas' rows
+    written within ``fresh_s``, and the shares of the token holding the lease. One
+    transaction."""
     now = database_now(conn)
+    leader = current_token(conn, name=LEADER)
+    s = shares_rows.c
+    if shares is not None and shares[0] == leader:
+        statement = insert(shares_rows)
+        conn.execute(
+            statement.on_conflict_do_update(
+                index_elements=[s.token],
+                set_={"body": statement.excluded.body, "updated_at": statement.excluded.updated_at},
+            ),
+            [{"token": leader, "holder": replica, "body": shares[1], "updated_at": now}],
+        )
+        conn.execute(delete(shares_rows).where(s.token < leader))
+    current = None
+    if leader is not None:
+        current = conn.execute(
+            select(s.body).where(
+                s.token == leader, s.updated_at >= now - timedelta(seconds=fresh_s)
+            )
+        ).scalar_one_or_none()
     c = live_rows.c
     if bodies:
         statement = insert(live_rows)
@@ -180,7 +238,9 @@ def share_usage(
             func.extract("epoch", now - c.updated_at).label("age_s"),
         ).where(c.replica != replica, c.updated_at >= now - timedelta(seconds=fresh_s))
     ).all()
-    return [RemoteRow(r.replica, r.engine_id, r.body, float(r.age_s)) for r in rows]
+    return Shared(
+        [RemoteRow(r.replica, r.engine_id, r.body, float(r.age_s)) for r in rows], current
+    )
 
 
 @dataclass
@@ -205,9 +265,16 @@ class FleetUsage:
         interval_s: float = SHARE_INTERVAL_S,
         fresh_s: float = FRESH_S,
         clock: Callable[[], float] = time.monotonic,
+        term: Callable[[], Term | None] = lambda: None,
+        allocator: Callable[[], Allocating | None] = lambda: None,
     ) -> None:
-        """``clock``: the book's."""
+        """``clock``: the book's; ``term`` and ``allocator``: this replica's leadership
+        and the coordinator it runs (the leader writes its shares for the others)."""
         self._db = db
+        self._term = term
+        self._allocator = allocator
+        # The leader's shares as last read (followers show them: `shares`).
+        self._shares: tuple[float, SharesTable] = (float("-inf"), NO_SHARES)
         self._clock = clock
         self._book = book
         self.replica_id = replica_id
@@ -289,15 +356,38 @@ class FleetUsage:
                 logger.warning("live usage: %s", e)
             self._stop.wait(max(0.0, started + self._interval_s - time.monotonic()))
 
+    def shares(self) -> SharesTable:
+        """The fleet shares as the current leader last wrote them (none once stale)."""
+        read_at, table_ = self._shares
+        return table_ if self._clock() - read_at <= self._fresh_s else NO_SHARES
+
     def share_once(self) -> None:
         _, local = self._book.windows()
         bodies = {engine_id: encode_window(w) for engine_id, w in local.items()}
-        rows = self._db.run_now(
-            share_usage, replica=self.replica_id, bodies=bodies, fresh_s=self._fresh_s
+        term, allocator = self._term(), self._allocator()
+        shares = None
+        if term is not None and allocator is not None:
+            table_ = SharesTable(*allocator.shares_table())
+            shares = (term.token, _shares_encoder.encode(table_))
+        shared = self._db.run_now(
+            share_usage,
+            replica=self.replica_id,
+            bodies=bodies,
+            shares=shares,
+            fresh_s=self._fresh_s,
         )
+        rows = shared.rows
         read_at = self._clock()
+        shares_now = NO_SHARES
+        if shared.shares is not None:
+            try:
+                shares_now = _shares_decoder.decode(shared.shares)
+            except (msgspec.DecodeError, ValueError) as e:
+                logger.warning("fleet shares row unreadable: %s", e)
+        self._shares = (read_at, shares_now)
         self.num_transactions += 1
-        self.num_rows_written += len(bodies)
+        # The leader's shares row counts as one more (written unless it was fenced).
+        self.num_rows_written += len(bodies) + (shares is not None)
         windows = []
         for row in rows:
             try:
@@ -320,13 +410,15 @@ class LiveUsageCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         rows = CounterMetricFamily(
             "output_rate_live_usage_rows_written",
-            "live_usage rows this replica wrote (one per engine with reports, a second)",
+            "live_usage rows this replica wrote (one per engine with reports, a second; on "
+            "the leader, one more for its fleet_shares row)",
         )
         rows.add_metric([], self._live.num_rows_written)
         yield rows
         transactions = CounterMetricFamily(
             "output_rate_live_usage_transactions",
-            "live_usage transactions of this replica (one a second: write and read)",
+            "live_usage transactions of this replica (one a second: write and read, usage "
+            "and fleet shares)",
         )
         transactions.add_metric([], self._live.num_transactions)
         yield transactions

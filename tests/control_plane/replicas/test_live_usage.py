@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, func, inspect, select, text
 from control_plane.cli import downgrade, upgrade
 from control_plane.db import Database, make_engine
 from control_plane.models import LiveUsageRow, table
+from control_plane.replicas import lease
 from control_plane.replicas.live_usage import FleetUsage
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
@@ -143,3 +144,56 @@ def test_0009_adds_live_usage_and_api_homes_and_its_downgrade_keeps_engine_rows(
         assert tuple(row) == ("e1", 3, None)
     finally:
         engine.dispose()
+
+
+class Allocator:
+    """The leader's coordinator as the sharing thread reads it (its shares_table)."""
+
+    def __init__(self, shares: dict[str, dict[str, int]], num_shared: dict[str, int]) -> None:
+        self.table = (shares, num_shared)
+
+    def shares_table(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        return self.table
+
+
+def test_followers_show_the_shares_of_the_leader_holding_the_lease(dbs: list[Database]) -> None:
+    clock = FakeClock()
+    first = dbs[0].run_now(lease.take_or_renew, name=lease.LEADER, holder="r-a", ttl_s=30.0)
+    assert first is not None
+    terms: dict[str, lease.Term | None] = {"r-a": lease.Term(first, float("inf")), "r-b": None}
+    allocators = {
+        "r-a": Allocator({"u": {"e1": 15_000, "e2": 5_000}}, {"e1": 1, "e2": 1}),
+        "r-b": Allocator({"u": {"e1": 40_000}}, {"e1": 1}),
+    }
+
+    def replica(db: Database, name: str) -> FleetUsage:
+        return FleetUsage(
+            db,
+            UsageBook(clock),
+            replica_id=name,
+            clock=clock,
+            term=lambda: terms[name],
+            allocator=lambda: allocators[name],
+        )
+
+    a, b = replica(dbs[0], "r-a"), replica(dbs[1], "r-b")
+    assert b.shares().shares_of("u") == {}
+    a.share_once()
+    b.share_once()
+    assert b.shares().shares_of("u") == {"e1": 15_000, "e2": 5_000}
+    assert (b.shares().num_shared_users("e2"), b.shares().num_shared_users("e9")) == (1, 0)
+    # b takes the lease (a paused past its ttl); a's late write with its old token is
+    # fenced: it writes nothing, and nobody shows its shares once b's are written.
+    with dbs[0].engine.begin() as conn:
+        conn.execute(text("UPDATE replica_leases SET expires_at = now() - interval '1 second'"))
+    second = dbs[1].run_now(lease.take_or_renew, name=lease.LEADER, holder="r-b", ttl_s=30.0)
+    assert second == first + 1
+    terms["r-b"] = lease.Term(second, float("inf"))
+    a.share_once()
+    assert a.shares().shares_of("u") == {}  # no row of the token holding the lease yet
+    b.share_once()
+    a.share_once()
+    assert a.shares().shares_of("u") == b.shares().shares_of("u") == {"e1": 40_000}
+    # Shown only while fresh: a follower that read nothing since shows none.
+    clock.now += 10.0
+    assert a.shares().shares_of("u") == {}
