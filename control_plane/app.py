@@ -176,6 +176,8 @@ class Served:
     announcer: ChangeAnnouncer | None = None
     relay: fleet_relay.FleetRelay | None = None
     live_usage: FleetUsage | None = None
+    # PostgreSQL: NOTIFY the other replicas after each commit, LISTEN for theirs.
+    notify: bool = True
     _sqlite_lock: IO[str] | None = None
     _closed: bool = False
 
@@ -190,7 +192,7 @@ class Served:
             self.live_usage.start()
         self.history.start()
         self.key_uses.start()
-        if self.db.engine.dialect.name == "postgresql":
+        if self.db.engine.dialect.name == "postgresql" and self.notify:
             with self.db.engine.connect() as conn:
                 channel = current_channel(conn)
             self.listener = ChangeListener(self.db.engine, channel, self.push.notify)
@@ -247,7 +249,11 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         with db.engine.connect() as conn:
             channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
         relay = fleet_relay.FleetRelay(
-            db, replica_id=replica_id, term=lambda: lease.term, channel=channel
+            db,
+            replica_id=replica_id,
+            term=lambda: lease.term,
+            channel=channel,
+            notify=settings.replica_notify,
         )
         push = PushServer.from_settings(
             settings,
@@ -300,6 +306,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         database_url=settings.database_url,
         relay=relay,
         live_usage=live,
+        notify=settings.replica_notify,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
     # the caller's own close may never come): engines hear the goodbye, counts are flushed,
