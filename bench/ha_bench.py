@@ -177,8 +177,10 @@ def write_throughput(url: str, workdir: Path, *, threads: int, writes: int) -> l
         "",
         "Every write takes the one `config_state` row lock (versions gap-free, docs/replicas.md), "
         "so replicas add REST capacity, not write capacity: more replicas share the same "
-        "serialised commit. On this 2-core machine the replicas and the clients also share the "
-        "CPUs, so the figures fall with more processes. The NOTIFY is sent after the commit on "
+        "serialised commit. On this 2-core machine, shared with other work, the replicas and the "
+        "clients also share the CPUs: configurations differ by up to 2x between runs, so read "
+        'the table as "one order of magnitude whatever the replicas and NOTIFY", not as a '
+        "trend. The NOTIFY is sent after the commit on "
         "a session of its own (never inside the write); its cost to concurrent writers at the "
         "database alone is in bench/results/replicas.md (0.95x).",
     ]
