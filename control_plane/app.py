@@ -34,7 +34,11 @@ from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
 from control_plane.replicas import relay as fleet_relay
-from control_plane.replicas.lease import LeaseKeeper, default_replica_id
+from control_plane.replicas.lease import (
+    LeaseKeeper,
+    default_replica_id,
+    release_locks_of_stopped_replicas,
+)
 from control_plane.replicas.live_usage import FleetUsage, LiveUsageCollector
 from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
@@ -227,7 +231,10 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     key-use reports the keys' last_used_at. On PostgreSQL the fleet allocator runs on
     the leader replica only, the others relay to it (docs/replicas.md); on SQLite (one
     replica) it always runs here."""
-    db = Database(make_engine(settings.database_url))
+    engine = make_engine(settings.database_url)
+    if engine.dialect.name == "postgresql":
+        release_locks_of_stopped_replicas(engine)
+    db = Database(engine)
     book = UsageBook()
     replica_id = settings.replica_id or default_replica_id()
     lease = LeaseKeeper(db, holder=replica_id)

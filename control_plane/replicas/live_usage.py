@@ -25,17 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection, delete, func, select
+from sqlalchemy import Connection, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from control_plane.db import Database, service
-from control_plane.models import FleetSharesRow, LiveUsageRow, table
+from control_plane.models import FleetSharesRow, LiveUsageRow, ReplicaLease, table
 from control_plane.replicas.lease import LEADER, Term, current_token, database_now
 from control_plane.usage.book import (
     WINDOW_S,
@@ -52,12 +52,15 @@ logger = logging.getLogger(__name__)
 
 live_rows = table(LiveUsageRow)
 shares_rows = table(FleetSharesRow)
+leases = table(ReplicaLease)
 
 SHARE_INTERVAL_S = 1.0
 # Rows not rewritten for this long are a stopped replica's: they no longer count.
 FRESH_S = 3.0
 # ... and are deleted (by any replica) after this long.
 KEEP_S = 60.0
+# The sharing transaction gives up on a lock held this long (by a stopped replica).
+LOCK_TIMEOUT_MS = 500
 
 
 class _Report(msgspec.Struct, array_like=True, frozen=True):
@@ -194,27 +197,10 @@ def share_usage(
     and rows nobody rewrote for ``keep_s``; with ``shares`` (the leader's token, its
     table), write them while that token holds the lease. Read the other replicas' rows
     written within ``fresh_s``, and the shares of the token holding the lease. One
-    transaction."""
+    transaction, that waits for no lock held by another replica (a stopped one may hold
+    it for ever): it fails instead, and the next second tries again."""
+    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_MS}ms'"))
     now = database_now(conn)
-    leader = current_token(conn, name=LEADER)
-    s = shares_rows.c
-    if shares is not None and shares[0] == leader:
-        statement = insert(shares_rows)
-        conn.execute(
-            statement.on_conflict_do_update(
-                index_elements=[s.token],
-                set_={"body": statement.excluded.body, "updated_at": statement.excluded.updated_at},
-            ),
-            [{"token": leader, "holder": replica, "body": shares[1], "updated_at": now}],
-        )
-        conn.execute(delete(shares_rows).where(s.token < leader))
-    current = None
-    if leader is not None:
-        current = conn.execute(
-            select(s.body).where(
-                s.token == leader, s.updated_at >= now - timedelta(seconds=fresh_s)
-            )
-        ).scalar_one_or_none()
     c = live_rows.c
     if bodies:
         statement = insert(live_rows)
@@ -238,9 +224,46 @@ def share_usage(
             func.extract("epoch", now - c.updated_at).label("age_s"),
         ).where(c.replica != replica, c.updated_at >= now - timedelta(seconds=fresh_s))
     ).all()
+    s = shares_rows.c
+    # Older terms' rows are left to expire (deleting them could wait on a stopped former
+    # leader's lock); readers take only the current token's.
+    conn.execute(delete(shares_rows).where(s.updated_at < now - timedelta(seconds=keep_s)))
+    if shares is not None:
+        # The fence, last: the lease row is share-locked only for the end of the transaction.
+        leader = current_token(conn, name=LEADER)
+        if shares[0] == leader:
+            statement = insert(shares_rows)
+            conn.execute(
+                statement.on_conflict_do_update(
+                    index_elements=[s.token],
+                    set_={
+                        "body": statement.excluded.body,
+                        "updated_at": statement.excluded.updated_at,
+                    },
+                ),
+                [{"token": leader, "holder": replica, "body": shares[1], "updated_at": now}],
+            )
+    else:
+        leader = unlocked_token(conn, now)
+    current = None
+    if leader is not None:
+        current = conn.execute(
+            select(s.body).where(
+                s.token == leader, s.updated_at >= now - timedelta(seconds=fresh_s)
+            )
+        ).scalar_one_or_none()
     return Shared(
         [RemoteRow(r.replica, r.engine_id, r.body, float(r.age_s)) for r in rows], current
     )
+
+
+def unlocked_token(conn: Connection, now: datetime) -> int | None:
+    """The token holding the leader lease at ``now`` (None: expired), read without a
+    lock: what a follower shows needs no fence."""
+    row = conn.execute(
+        select(leases.c.token, leases.c.expires_at).where(leases.c.name == LEADER)
+    ).one_or_none()
+    return int(row.token) if row is not None and row.expires_at > now else None
 
 
 @dataclass
