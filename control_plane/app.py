@@ -34,7 +34,12 @@ from control_plane.metrics import Metrics, MetricsMiddleware
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
 from control_plane.replicas import relay as fleet_relay
-from control_plane.replicas.lease import LeaseKeeper, default_replica_id
+from control_plane.replicas.lease import (
+    LeaseKeeper,
+    default_replica_id,
+    release_locks_of_stopped_replicas,
+)
+from control_plane.replicas.live_usage import FleetUsage, LiveUsageCollector
 from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener, current_channel
 from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
@@ -174,6 +179,9 @@ class Served:
     listener: ChangeListener | None = None
     announcer: ChangeAnnouncer | None = None
     relay: fleet_relay.FleetRelay | None = None
+    live_usage: FleetUsage | None = None
+    # PostgreSQL: NOTIFY the other replicas after each commit, LISTEN for theirs.
+    notify: bool = True
     _sqlite_lock: IO[str] | None = None
     _closed: bool = False
 
@@ -184,9 +192,11 @@ class Served:
         self.push.start()
         if self.relay is not None:
             self.relay.start()
+        if self.live_usage is not None:
+            self.live_usage.start()
         self.history.start()
         self.key_uses.start()
-        if self.db.engine.dialect.name == "postgresql":
+        if self.db.engine.dialect.name == "postgresql" and self.notify:
             with self.db.engine.connect() as conn:
                 channel = current_channel(conn)
             self.listener = ChangeListener(self.db.engine, channel, self.push.notify)
@@ -210,6 +220,8 @@ class Served:
                 session.close()
         if self.relay is not None:
             self.relay.close()
+        if self.live_usage is not None:
+            self.live_usage.close()
         self.history.close()
         self.key_uses.close()
         self.lease.close()
@@ -223,7 +235,10 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     key-use reports the keys' last_used_at. On PostgreSQL the fleet allocator runs on
     the leader replica only, the others relay to it (docs/replicas.md); on SQLite (one
     replica) it always runs here."""
-    db = Database(make_engine(settings.database_url))
+    engine = make_engine(settings.database_url)
+    if engine.dialect.name == "postgresql":
+        release_locks_of_stopped_replicas(engine)
+    db = Database(engine)
     book = UsageBook()
     replica_id = settings.replica_id or default_replica_id()
     lease = LeaseKeeper(db, holder=replica_id)
@@ -237,11 +252,19 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
 
     key_uses = KeyUseRecorder(db)
     relay = None
+    # Live usage: this replica's book; with replicas, merged with the others' (SQLite: one).
+    usage_source: UsageSource = book
+    live: FleetUsage | None = None
+    collectors: list[Collector] = []
     if db.engine.dialect.name == "postgresql":
         with db.engine.connect() as conn:
             channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
         relay = fleet_relay.FleetRelay(
-            db, replica_id=replica_id, term=lambda: lease.term, channel=channel
+            db,
+            replica_id=replica_id,
+            term=lambda: lease.term,
+            channel=channel,
+            notify=settings.replica_notify,
         )
         push = PushServer.from_settings(
             settings,
@@ -253,7 +276,15 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
             make_fleet=make_fleet,
         )
         relay.on_arrival = push.wake
-        fleet: FleetView = CurrentFleet(lambda: push.fleet)
+        live = usage_source = FleetUsage(
+            db, book, replica_id=replica_id, term=lambda: lease.term, allocator=lambda: push.fleet
+        )
+        collectors.append(LiveUsageCollector(live))
+        # The leader shows its allocator's shares; a follower, what the leader last wrote.
+        shared = live
+        fleet: FleetView = CurrentFleet(
+            lambda: push.fleet if push.fleet is not None else shared.shares()
+        )
     else:
         push = PushServer.from_settings(
             settings, db=db, usage=book, fleet=make_fleet(), key_uses=key_uses.add
@@ -271,9 +302,9 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         settings,
         insecure_no_auth=insecure_no_auth,
         db=db,
-        usage_source=book,
+        usage_source=usage_source,
         fleet=fleet,
-        collectors=[PushCollector(push), UsageCollector(book, history)],
+        collectors=[PushCollector(push), UsageCollector(book, history, usage_source), *collectors],
         lease=lease,
     )
     served = Served(
@@ -285,6 +316,8 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         lease=lease,
         database_url=settings.database_url,
         relay=relay,
+        live_usage=live,
+        notify=settings.replica_notify,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
     # the caller's own close may never come): engines hear the goodbye, counts are flushed,

@@ -280,6 +280,9 @@ class Engine(Base):
     # (database time): an engine id live on one replica cannot be bound on another.
     home_replica: Mapped[str | None] = mapped_column(String(MAX_REPLICA_ID_LEN), nullable=True)
     home_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The same for the engine's API server (role "api"): bound on one replica at a time.
+    api_home_replica: Mapped[str | None] = mapped_column(String(MAX_REPLICA_ID_LEN), nullable=True)
+    api_home_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class UsageMinute(Base):
@@ -350,3 +353,32 @@ class FleetRelayRow(Base):
     to_replica: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN), default="")
     body: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class LiveUsageRow(Base):
+    """One replica's live usage window of one of its engines (control_plane/replicas/
+    live_usage.py): the engine's recent reports, rewritten about once a second, read by the
+    other replicas while fresh. Rows of engines it no longer holds go at its next write;
+    any replica prunes rows nobody rewrote."""
+
+    __tablename__ = "live_usage"
+    __table_args__ = (Index("ix_live_usage_updated_at", "updated_at"),)
+
+    replica: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN), primary_key=True)
+    engine_id: Mapped[str] = mapped_column(String(MAX_ENGINE_ID_LEN), primary_key=True)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    # Database time of the write: readers take rows fresher than a few seconds.
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class FleetSharesRow(Base):
+    """The fleet shares as the leader holding ``token`` decided them (control_plane/
+    replicas/live_usage.py), rewritten about once a second under its fence: what followers
+    show in GET /limits/{user} and GET /engines. Only the current token's row is read."""
+
+    __tablename__ = "fleet_shares"
+
+    token: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    holder: Mapped[str] = mapped_column(String(MAX_REPLICA_ID_LEN))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

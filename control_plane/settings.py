@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # Seconds between the push thread's reads of the change log: the safety net under the
     # wake-ups (this process's commits; other replicas' through PostgreSQL NOTIFY).
     push_poll_interval_s: float = Field(default=1.0, ge=0.05, le=60.0)
+    # PostgreSQL replicas: wake the other replicas with NOTIFY after each config commit and
+    # relay batch (docs/replicas.md). Off: they find changes at their next poll only (the
+    # change log every push_poll_interval_s, relay rows every 0.25 s).
+    replica_notify: bool = True
     # This replica's name in the leader lease and readiness (default: host-pid).
     replica_id: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$"
@@ -85,6 +89,16 @@ class Settings(BaseSettings):
     http_keep_alive_timeout_s: int = Field(default=5, ge=1, le=300)
     # Connections served at once; unset: derived from the open-file limit at start.
     http_max_connections: int | None = Field(default=None, ge=1)
+
+    @field_validator("replica_notify", mode="before")
+    @classmethod
+    def _replica_notify(cls, value: object) -> object:
+        # One spelling each way: a typo ("flase", "0ff") must not pass for either.
+        if isinstance(value, str):
+            if value.strip().lower() not in ("true", "false"):
+                raise ValueError(f"{variable('replica_notify')} must be true or false")
+            return value.strip().lower() == "true"
+        return value
 
     @field_validator("admin_token")
     @classmethod

@@ -9,8 +9,14 @@ from typing import Any
 from sqlalchemy import Connection, Row, bindparam, delete, func, insert, select, update
 
 from control_plane.models import Engine, table
+from output_rate_core import protocol as p
 
 engines = table(Engine)
+# role -> the columns naming its home replica and when that home last heard it
+HOME_COLUMNS = {
+    p.ENGINE_ROLE: ("home_replica", "home_seen_at"),
+    p.API_ROLE: ("api_home_replica", "api_home_seen_at"),
+}
 
 
 def list_engines(conn: Connection) -> Sequence[Row[Any]]:
@@ -22,16 +28,17 @@ def engine_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(conn.execute(query).scalars())
 
 
-def homes_of(conn: Connection, ids: Sequence[str]) -> dict[str, str | None]:
-    """engine id -> its home replica, for the rows that exist (locked until the end of
-    the transaction, so a claim by another replica waits or is seen)."""
+def homes_of(conn: Connection, ids: Sequence[str]) -> dict[str, tuple[str | None, str | None]]:
+    """engine id -> the home replicas of its core and of its API server, for the rows that
+    exist (locked until the end of the transaction, so a claim by another replica waits
+    or is seen)."""
     query = (
-        select(engines.c.engine_id, engines.c.home_replica)
+        select(engines.c.engine_id, engines.c.home_replica, engines.c.api_home_replica)
         .where(engines.c.engine_id.in_(ids))
         .order_by(engines.c.engine_id)
         .with_for_update()
     )
-    return {row.engine_id: row.home_replica for row in conn.execute(query)}
+    return {row.engine_id: (row.home_replica, row.api_home_replica) for row in conn.execute(query)}
 
 
 def applied_engine_ids(conn: Connection) -> set[str]:
@@ -60,22 +67,30 @@ def insert_engines(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         conn.execute(insert(engines), list(rows))
 
 
-def home_of(conn: Connection, engine_id: str) -> Any:
-    """The engine's home replica and when it last heard the core (the row locked until
-    the end of the transaction)."""
+def home_of(conn: Connection, engine_id: str, role: p.Role = p.ENGINE_ROLE) -> Any:
+    """(home replica, when it last heard it) of the engine's core or API server (the row
+    locked until the end of the transaction)."""
+    replica, seen_at = HOME_COLUMNS[role]
     query = (
-        select(engines.c.home_replica, engines.c.home_seen_at)
+        select(engines.c[replica], engines.c[seen_at])
         .where(engines.c.engine_id == engine_id)
         .with_for_update()
     )
     return conn.execute(query).one_or_none()
 
 
-def set_home(conn: Connection, engine_id: str, replica: str, seen_at: datetime) -> None:
+def set_home(
+    conn: Connection,
+    engine_id: str,
+    replica: str,
+    seen_at: datetime,
+    role: p.Role = p.ENGINE_ROLE,
+) -> None:
+    replica_column, seen_column = HOME_COLUMNS[role]
     conn.execute(
         update(engines)
         .where(engines.c.engine_id == engine_id)
-        .values(home_replica=replica, home_seen_at=seen_at)
+        .values({replica_column: replica, seen_column: seen_at})
     )
 
 
@@ -129,24 +144,39 @@ def update_engines(
 
 
 def update_api_versions(
-    conn: Connection, versions: Sequence[tuple[str, int]], *, last_seen: datetime
+    conn: Connection,
+    versions: Sequence[tuple[str, int]],
+    *,
+    last_seen: datetime,
+    home: str | None = None,
+    home_seen_at: datetime | None = None,
 ) -> None:
-    """(engine id, version its API server applied), on existing rows."""
+    """(engine id, version its API server applied), on existing rows (with ``home``,
+    the API servers homed at that replica as of ``home_seen_at``)."""
     if not versions:
         return
+    homed = {} if home is None else {"api_home_replica": home, "api_home_seen_at": home_seen_at}
     statement = (
         update(engines)
         .where(engines.c.engine_id == bindparam("id"))
-        .values(api_applied_version=bindparam("new_api_version"), last_seen=last_seen)
+        .values(api_applied_version=bindparam("new_api_version"), last_seen=last_seen, **homed)
     )
     conn.execute(statement, [{"id": i, "new_api_version": v} for i, v in versions])
 
 
-def clear_api_versions(conn: Connection, ids: Sequence[str] | None = None) -> None:
-    """These engines (all of them for None) have no API server connected."""
-    statement = update(engines).values(api_applied_version=None)
+def clear_api_versions(
+    conn: Connection, ids: Sequence[str] | None = None, *, home: str | None = None
+) -> None:
+    """These engines (all of them for None) have no API server connected, let go by its
+    home; with ``home``, only those whose API server is homed at that replica (or
+    nowhere)."""
+    statement = update(engines).values(api_applied_version=None, api_home_seen_at=None)
     if ids is not None:
         statement = statement.where(engines.c.engine_id.in_(ids))
+    if home is not None:
+        statement = statement.where(
+            (engines.c.api_home_replica == home) | engines.c.api_home_replica.is_(None)
+        )
     conn.execute(statement)
 
 

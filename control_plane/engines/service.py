@@ -103,23 +103,32 @@ def delete_engine(conn: Connection, *, engine_id: str) -> None:
 
 
 @service("write")
-def claim_engine(conn: Connection, *, engine_id: str, replica: str, timeout_s: float) -> bool:
-    """Bind an engine core to this replica fleet-wide: False when another replica holds
-    it (its home heard it within ``timeout_s``, database time, and has not let it go).
-    An id with no row yet is free: its row is written once the engine proves itself (a
-    replica that finds it written by another then lets go: record_engines)."""
-    row = repo.home_of(conn, engine_id)
+def claim_engine(
+    conn: Connection,
+    *,
+    engine_id: str,
+    replica: str,
+    timeout_s: float,
+    role: p.Role = p.ENGINE_ROLE,
+) -> bool:
+    """Bind an engine core, or an engine's API server (``role``), to this replica
+    fleet-wide: False when another replica holds it (its home heard it within
+    ``timeout_s``, database time, and has not let it go). An id with no row yet is free:
+    its row is written once the engine proves itself (a replica that finds it written by
+    another then lets go: record_engines)."""
+    row = repo.home_of(conn, engine_id, role)
     if row is None:
         return True
+    home, seen_at = row
     now = database_now(conn)
     held_elsewhere = (
-        row.home_replica not in (None, replica)
-        and row.home_seen_at is not None
-        and (now - row.home_seen_at).total_seconds() <= timeout_s
+        home not in (None, replica)
+        and seen_at is not None
+        and (now - seen_at).total_seconds() <= timeout_s
     )
     if held_elsewhere:
         return False
-    repo.set_home(conn, engine_id, replica, now)
+    repo.set_home(conn, engine_id, replica, now, role)
     return True
 
 
@@ -138,29 +147,38 @@ def live_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
 @service("write")
 def record_engines(
     conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None
-) -> set[str]:
+) -> set[tuple[str, p.Role]]:
     """Engine cores and API servers that are connected now, as last seen: one row per
     engine_id. The core owns the row's model, applied version and connected flag; its
     API server only its api_applied_version (and keeps the row from expiring). With
-    ``replica``, the cores are homed at that replica, heard now; returns the cores
-    homed at another replica (it claimed them since: not written)."""
+    ``replica``, both are homed at that replica, heard now; returns the (engine id,
+    role) homed at another replica (it claimed them since: not written)."""
     now = datetime.now(UTC)
     # engine id -> role -> what was seen of it
     by_id: dict[str, dict[p.Role, EngineSeen]] = {}
     for e in seen:
         by_id.setdefault(e.engine_id, {})[e.role] = e
+    moved: set[tuple[str, p.Role]] = set()
     if replica is None:
         known = repo.engine_ids(conn, list(by_id))
-        moved: set[str] = set()
     else:
         homes = repo.homes_of(conn, list(by_id))
         known = set(homes)
-        moved = {i for i, home in homes.items() if home not in (None, replica)}
+        for engine_id, (core_home, api_home) in homes.items():
+            roles_seen = by_id[engine_id]
+            if core_home not in (None, replica) and p.ENGINE_ROLE in roles_seen:
+                moved.add((engine_id, p.ENGINE_ROLE))
+            if api_home not in (None, replica) and p.API_ROLE in roles_seen:
+                moved.add((engine_id, p.API_ROLE))
     new_rows, core_rows, api_rows = [], [], []
     for engine_id, roles in by_id.items():
         core, api = roles.get(p.ENGINE_ROLE), roles.get(p.API_ROLE)
-        if engine_id in moved:
+        if (engine_id, p.ENGINE_ROLE) in moved:
             core = None
+        if (engine_id, p.API_ROLE) in moved:
+            api = None
+        if core is None and api is None:
+            continue
         if engine_id not in known:
             first = core or api
             assert first is not None
@@ -191,16 +209,19 @@ def record_engines(
         home_seen_at = database_now(conn)
         for row in new_rows:
             homed = bool(row["connected"])
+            api_homed = row["api_applied_version"] is not None
             row.update(
                 home_replica=replica if homed else None,
                 home_seen_at=home_seen_at if homed else None,
+                api_home_replica=replica if api_homed else None,
+                api_home_seen_at=home_seen_at if api_homed else None,
             )
     else:
         home_seen_at = None
     repo.insert_engines(conn, new_rows)
     repo.update_engines(conn, core_rows, home=replica, home_seen_at=home_seen_at)
-    repo.update_api_versions(conn, api_rows, last_seen=now)
-    return {i for i in moved if p.ENGINE_ROLE in by_id[i]}
+    repo.update_api_versions(conn, api_rows, last_seen=now, home=replica, home_seen_at=home_seen_at)
+    return moved
 
 
 @service("write")
@@ -212,9 +233,9 @@ def disconnect_engines(
     replica: str | None = None,
 ) -> None:
     """Mark these engines' cores disconnected, or (role api) clear their API servers'
-    applied version; None: every engine. With ``replica``, only the cores homed there
-    (an engine that moved to another replica stays connected)."""
+    applied version; None: every engine. With ``replica``, only those homed there (an
+    engine, or API server, that moved to another replica stays connected)."""
     if role == p.API_ROLE:
-        repo.clear_api_versions(conn, engine_ids)
+        repo.clear_api_versions(conn, engine_ids, home=replica)
     else:
         repo.set_engines_disconnected(conn, engine_ids, home=replica)

@@ -325,6 +325,13 @@ class FleetAllocator:
             return 0
         return sum(1 for user, cell in engine.cells.items() if cell.sent and user in self._limits)
 
+    def shares_table(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """Every split user's `shares_of`, and every engine's `num_shared_users` (engines
+        holding none left out): what the leader shows other replicas."""
+        shares = {user: self.shares_of(user) for user in self._limits if self._users.get(user)}
+        shared = {e: n for e in self._engines if (n := self.num_shared_users(e))}
+        return shares, shared
+
     @property
     def num_engines(self) -> int:
         return len(self._engines)

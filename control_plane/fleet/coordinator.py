@@ -181,6 +181,10 @@ class FleetCoordinator:
         with self._lock:
             return self._allocator.num_shared_users(engine_id)
 
+    def shares_table(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        with self._lock:
+            return self._allocator.shares_table()
+
     # ---- internals (under the lock) ---------------------------------------------------
 
     def _join(self, engine_id: str) -> None:

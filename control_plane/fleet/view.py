@@ -29,7 +29,7 @@ class NoFleet:
 
 class CurrentFleet:
     """The coordinator this replica runs now, if any (with replicas only the leader runs
-    one; a follower shows no shares)."""
+    one; a follower shows the shares the leader last wrote: replicas/live_usage.py)."""
 
     def __init__(self, current: Callable[[], FleetView | None]) -> None:
         self._current = current

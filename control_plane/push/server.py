@@ -689,20 +689,21 @@ class PushServer:
                 f"at most {MAX_UNPROVEN_PEERS}",
             )
             return None
-        if self.replica_id is not None and role == p.ENGINE_ROLE:
+        if self.replica_id is not None:
             try:
                 claimed = self._db.run_now(
                     engines.claim_engine,
                     engine_id=engine_id,
                     replica=self.replica_id,
                     timeout_s=self._engine_timeout_s,
+                    role=role,
                 )
             except Exception as e:  # a claim racing another replica's: the other has it
                 logger.debug("claim of %r failed: %s", engine_id, e)
                 claimed = False
             if not claimed:
                 self.num_binds_refused_elsewhere += 1
-                self.drops.note("engine id live on another replica", repr(engine_id))
+                self.drops.note("engine id live on another replica", f"{engine_id!r} ({role})")
                 return None
         peer = self.peers[identity] = Peer(
             engine_id=engine_id, model=model, role=role, key=key, proven=known, bound_at=now
@@ -885,7 +886,7 @@ class PushServer:
             moved = set()
             for engine in seen.values():
                 try:
-                    moved_one: set[str] = self._db.run_now(
+                    moved_one: set[tuple[str, p.Role]] = self._db.run_now(
                         engines.record_engines, seen=[engine], replica=self.replica_id
                     )
                     moved |= moved_one
@@ -894,26 +895,27 @@ class PushServer:
                     owner = self._owners.get((engine.engine_id, engine.role))
                     if owner is not None:
                         self._forget(owner)
-        for engine_id in moved:
+        for engine_id, role in moved:
             # Another replica claimed it since (this replica was paused, or cut off): what
             # still arrives from it here is old. Its row is the other replica's to write.
-            self.drops.note("engine bound on another replica since", repr(engine_id))
-            owner = self._owners.get((engine_id, p.ENGINE_ROLE))
+            self.drops.note("engine bound on another replica since", f"{engine_id!r} ({role})")
+            owner = self._owners.get((engine_id, role))
             if owner is not None:
                 self._forget(owner)
 
     def _let_go_of_engines(self) -> None:
         if self.replica_id is None:
             return
-        ids = [
-            peer.engine_id
-            for peer in self.peers.values()
-            if peer.role == p.ENGINE_ROLE and peer.proven
-        ]
-        try:
-            self._db.run_now(engines.disconnect_engines, engine_ids=ids, replica=self.replica_id)
-        except Exception as e:  # the database is away: they are claimable after the timeout
-            logger.warning("could not let go of this replica's engines: %s", e)
+        for role in (p.ENGINE_ROLE, p.API_ROLE):
+            ids = [
+                peer.engine_id for peer in self.peers.values() if peer.role == role and peer.proven
+            ]
+            try:
+                self._db.run_now(
+                    engines.disconnect_engines, engine_ids=ids, role=role, replica=self.replica_id
+                )
+            except Exception as e:  # the database is away: claimable after the timeout
+                logger.warning("could not let go of this replica's engines: %s", e)
 
     def _set_disconnected(self, engine_id: str, role: p.Role) -> None:
         self._db.run_now(
@@ -921,11 +923,9 @@ class PushServer:
         )
 
     def _mark_all_disconnected(self) -> None:
-        """At start: the engines this replica held before are not connected (with replicas,
-        the others' engines are theirs to say)."""
+        """At start: the engines (and API servers) this replica held before are not
+        connected (with replicas, the others' are theirs to say)."""
         for role in (p.ENGINE_ROLE, p.API_ROLE):
-            if role == p.API_ROLE and self.replica_id is not None:
-                continue  # an API server's version is restated at its next heartbeat
             self._db.run_now(
                 engines.disconnect_engines, engine_ids=None, role=role, replica=self.replica_id
             )

@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Connection, select, text, update
+from sqlalchemy import Connection, Engine, event, select, text, update
 
 from control_plane.db import Database, service
 from control_plane.errors import DomainError
@@ -37,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 LEADER = "leader"
 DEFAULT_TTL_S = 3.0
+# PostgreSQL ends a session left inside a transaction this long (a replica stopped or
+# frozen mid-transaction), so its row locks go with it: another replica's engine claims
+# (an engine moves after 10.5 s of silence) and writes never wait on it for longer. Our
+# transactions never idle this long between statements.
+STOPPED_SESSION_TIMEOUT_S = 5.0
 leases = table(ReplicaLease)
 
 
@@ -233,3 +239,16 @@ class LeaseKeeper:
             logger.info("replica %s leads (%s, token %d)", self.holder, self.name, term.token)
         elif term is None and old is not None:
             logger.info("replica %s no longer leads (%s)", self.holder, self.name)
+
+
+def release_locks_of_stopped_replicas(engine: Engine) -> None:
+    """Every session of this (PostgreSQL) engine ends after STOPPED_SESSION_TIMEOUT_S
+    idle inside a transaction. Set before the engine's first connection."""
+
+    @event.listens_for(engine, "connect")
+    def _timeout(dbapi_connection: Any, _record: Any) -> None:
+        ms = int(STOPPED_SESSION_TIMEOUT_S * 1000)
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = {ms}")
+        # Session-wide only once committed: a rolled-back SET is undone.
+        dbapi_connection.commit()

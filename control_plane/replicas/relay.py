@@ -139,7 +139,10 @@ class FleetRelay:
         term: Callable[[], Term | None],
         channel: str,
         on_arrival: Callable[[], None] = lambda: None,
+        notify: bool = True,
     ) -> None:
+        """``notify``: announce batches and listen for the others' (off: reads every
+        ``POLL_S`` only)."""
         self._db = db
         self.replica_id = replica_id
         self._term = term
@@ -154,8 +157,10 @@ class FleetRelay:
         self._read_due = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="output-rate-relay", daemon=True)
-        self._announcer = ChangeAnnouncer(db.engine, channel)
-        self._listener = ChangeListener(db.engine, channel, lambda _: self._poke_read())
+        self._announcer = ChangeAnnouncer(db.engine, channel) if notify else None
+        self._listener = (
+            ChangeListener(db.engine, channel, lambda _: self._poke_read()) if notify else None
+        )
         self._num_announced = 0
         self.num_rows_written = 0
         self.num_write_transactions = 0
@@ -192,16 +197,18 @@ class FleetRelay:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        self._listener.start()
-        self._announcer.start()
+        for session in (self._listener, self._announcer):
+            if session is not None:
+                session.start()
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         self._due.set()
         self._thread.join(timeout=5)
-        self._announcer.close()
-        self._listener.close()
+        for session in (self._announcer, self._listener):
+            if session is not None:
+                session.close()
 
     # ---- the relay thread -----------------------------------------------------------
 
@@ -267,7 +274,8 @@ class FleetRelay:
             self.num_write_transactions += 1
             self.num_rows_written += len(rows)
             self._num_announced += 1
-            self._announcer.announce(self._num_announced)
+            if self._announcer is not None:
+                self._announcer.announce(self._num_announced)
 
     def _read(self) -> None:
         term = self._term()

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -167,8 +167,9 @@ class _EngineBounds:
 
 
 @dataclass(frozen=True)
-class _Interval:
-    """One accepted report (all its parts), as the book keeps it."""
+class Interval:
+    """One accepted report (all its parts), as the book keeps it (and as replicas share
+    it: control_plane/replicas/live_usage.py)."""
 
     received: float
     interval_s: float
@@ -192,7 +193,7 @@ class UsageBook:
         self._clock = clock
         self._lock = threading.Lock()
         # engine id -> its accepted reports (received, interval, parts), oldest first
-        self._reports: dict[str, deque[_Interval]] = {}
+        self._reports: dict[str, deque[Interval]] = {}
         # engine id -> when its last report arrived (kept past the window; /metrics)
         self._last_report_at: dict[str, float] = {}
         # engine id -> its paces and waiting parts (dropped once fresh again)
@@ -226,7 +227,7 @@ class UsageBook:
                 return False
             parts = self._admit(parts)
             reports = self._reports.setdefault(engine_id, deque())
-            reports.append(_Interval(now, parts[0].interval_s, parts, tokens))
+            reports.append(Interval(now, parts[0].interval_s, parts, tokens))
             for part in parts:
                 self._count(part, +1)
             while len(reports) > MAX_REPORTS_PER_ENGINE:
@@ -345,7 +346,7 @@ class UsageBook:
             else:
                 users.pop(user, None)
 
-    def _uncount(self, interval: _Interval) -> None:
+    def _uncount(self, interval: Interval) -> None:
         for part in interval.parts:
             self._count(part, -1)
 
@@ -373,40 +374,20 @@ class UsageBook:
         with self._lock:
             return {engine: now - at for engine, at in self._last_report_at.items()}
 
-    def totals(self) -> list[UserUsage]:
+    def windows(self) -> tuple[float, dict[str, EngineWindow]]:
+        """(now, engine id -> its reports in the window and when its last one arrived):
+        what `totals` reads, for a view of the whole fleet to merge with other replicas'."""
         now = self._clock()
         with self._lock:
             self._expire(now)
-            per_engine = [list(r) for r in self._reports.values()]
-        granted_1: dict[str, float] = {}
-        granted_10: dict[str, float] = {}
-        # user -> (tokens granted, steps refused, steps a shadow limit would have refused)
-        steps: dict[str, tuple[int, int, int]] = {}
-        for intervals in per_engine:
-            self._add_rates(intervals, now - WINDOW_S, granted_10)
-            # The short window: the engine's latest report, if it is recent.
-            self._add_rates(intervals[-1:], now - SHORT_REACH_S, granted_1)
-            for interval in intervals:
-                for report in interval.parts:
-                    for user, n in report.granted.items():
-                        g, t, w = steps.get(user, _NO_STEPS)
-                        steps[user] = (g + n, t, w)
-                    for user, n in report.throttled.items():
-                        g, t, w = steps.get(user, _NO_STEPS)
-                        steps[user] = (g, t + n, w)
-                    for user, n in report.would_throttle.items():
-                        g, t, w = steps.get(user, _NO_STEPS)
-                        steps[user] = (g, t, w + n)
-        return [
-            UserUsage(
-                user=user,
-                tokens_per_s_1s=granted_1.get(user, 0.0),
-                tokens_per_s_10s=granted_10.get(user, 0.0),
-                throttled_fraction=t / (g + t) if g + t else 0.0,
-                would_throttle_fraction=would_throttle_fraction(g, t, w),
-            )
-            for user, (g, t, w) in sorted(steps.items())
-        ]
+            return now, {
+                engine_id: EngineWindow(tuple(reports), now, self._last_report_at[engine_id])
+                for engine_id, reports in self._reports.items()
+            }
+
+    def totals(self) -> list[UserUsage]:
+        _, windows = self.windows()
+        return combine(windows.values())
 
     def rate_1s(self, user: str) -> float | None:
         now = self._clock()
@@ -414,34 +395,88 @@ class UsageBook:
             self._expire(now)
             if user not in self._users:
                 return None
-            latest = [reports[-1] for reports in self._reports.values() if reports]
-        rate: dict[str, float] = {}
-        for interval in latest:
-            self._add_rates([interval], now - SHORT_REACH_S, rate, only=user)
-        return rate.get(user, 0.0)
+            latest = [
+                EngineWindow((reports[-1],), now, now)
+                for reports in self._reports.values()
+                if reports
+            ]
+        return rate_1s_of(latest, user)
 
-    @staticmethod
-    def _add_rates(
-        intervals: list[_Interval],
-        since: float,
-        into: dict[str, float],
-        *,
-        only: str | None = None,
-    ) -> None:
-        """Add each user's (only `only`'s) granted tokens over the time one engine's
-        reports received since `since` cover: at least the time one engine needs for
-        their tokens, so no rate exceeds MAX_ENGINE_TOKENS_PER_S per engine."""
-        recent = [i for i in intervals if i.received >= since]
-        if not recent:
-            return
-        covered = max(
-            sum(i.interval_s for i in recent),
-            sum(i.tokens for i in recent) / p.MAX_ENGINE_TOKENS_PER_S,
-        )
-        for interval in recent:
+
+@dataclass(frozen=True)
+class EngineWindow:
+    """One engine's reports (oldest first) as seen at `at` (the clock of the book): its
+    figures are what a book holding them shows at that moment."""
+
+    intervals: tuple[Interval, ...]
+    at: float
+    last_report_at: float
+
+
+def combine(windows: Iterable[EngineWindow]) -> list[UserUsage]:
+    """Per user, summed over engines: each engine's rates as of its window's `at`, and
+    the fractions of the request-steps of all of them."""
+    granted_1: dict[str, float] = {}
+    granted_10: dict[str, float] = {}
+    # user -> (tokens granted, steps refused, steps a shadow limit would have refused)
+    steps: dict[str, tuple[int, int, int]] = {}
+    for window in windows:
+        intervals = [i for i in window.intervals if i.received >= window.at - WINDOW_S]
+        _add_rates(intervals, window.at - WINDOW_S, granted_10)
+        # The short window: the engine's latest report, if it is recent.
+        _add_rates(intervals[-1:], window.at - SHORT_REACH_S, granted_1)
+        for interval in intervals:
             for report in interval.parts:
-                granted = report.granted
-                if only is not None:
-                    granted = {only: granted[only]} if only in granted else {}
-                for user, n in granted.items():
-                    into[user] = into.get(user, 0.0) + n / covered
+                for user, n in report.granted.items():
+                    g, t, w = steps.get(user, _NO_STEPS)
+                    steps[user] = (g + n, t, w)
+                for user, n in report.throttled.items():
+                    g, t, w = steps.get(user, _NO_STEPS)
+                    steps[user] = (g, t + n, w)
+                for user, n in report.would_throttle.items():
+                    g, t, w = steps.get(user, _NO_STEPS)
+                    steps[user] = (g, t, w + n)
+    return [
+        UserUsage(
+            user=user,
+            tokens_per_s_1s=granted_1.get(user, 0.0),
+            tokens_per_s_10s=granted_10.get(user, 0.0),
+            throttled_fraction=t / (g + t) if g + t else 0.0,
+            would_throttle_fraction=would_throttle_fraction(g, t, w),
+        )
+        for user, (g, t, w) in sorted(steps.items())
+    ]
+
+
+def rate_1s_of(windows: Iterable[EngineWindow], user: str) -> float:
+    """One user's tokens/s over the short window, as `combine` has it."""
+    rate: dict[str, float] = {}
+    for window in windows:
+        _add_rates(window.intervals[-1:], window.at - SHORT_REACH_S, rate, only=user)
+    return rate.get(user, 0.0)
+
+
+def _add_rates(
+    intervals: Sequence[Interval],
+    since: float,
+    into: dict[str, float],
+    *,
+    only: str | None = None,
+) -> None:
+    """Add each user's (only `only`'s) granted tokens over the time one engine's
+    reports received since `since` cover: at least the time one engine needs for
+    their tokens, so no rate exceeds MAX_ENGINE_TOKENS_PER_S per engine."""
+    recent = [i for i in intervals if i.received >= since]
+    if not recent:
+        return
+    covered = max(
+        sum(i.interval_s for i in recent),
+        sum(i.tokens for i in recent) / p.MAX_ENGINE_TOKENS_PER_S,
+    )
+    for interval in recent:
+        for report in interval.parts:
+            granted = report.granted
+            if only is not None:
+                granted = {only: granted[only]} if only in granted else {}
+            for user, n in granted.items():
+                into[user] = into.get(user, 0.0) + n / covered

@@ -1,5 +1,6 @@
-"""Prometheus view of live usage: per-user rates, the users the book left out, and the
-reports (and history users) refused by the usage bounds."""
+"""Prometheus view of live usage: per-user rates and throttled (and would-throttle)
+fractions, of the whole fleet with replicas; the users this replica's book left out, and
+the reports (and history users) refused by its usage bounds."""
 
 from __future__ import annotations
 
@@ -10,14 +11,23 @@ from prometheus_client.registry import Collector
 
 from control_plane.usage import book as usage_book
 from control_plane.usage import history as usage_history
-from control_plane.usage.book import UsageBook
+from control_plane.usage.book import UsageBook, UsageSource
 from control_plane.usage.history import UsageRecorder
 
 
 class UsageCollector(Collector):
-    def __init__(self, book: UsageBook, history: UsageRecorder | None = None) -> None:
+    """``live``: what the per-user series show (default: ``book``; with replicas, the
+    fleet's usage: control_plane/replicas/live_usage.py)."""
+
+    def __init__(
+        self,
+        book: UsageBook,
+        history: UsageRecorder | None = None,
+        live: UsageSource | None = None,
+    ) -> None:
         self._book = book
         self._history = history
+        self._live: UsageSource = book if live is None else live
 
     def collect(self) -> Iterator[Metric]:
         refused = CounterMetricFamily(
@@ -51,8 +61,16 @@ class UsageCollector(Collector):
             "Fraction of a user's request-steps refused a token over the last 10 s",
             labels=["user"],
         )
-        for usage in self._book.totals():
+        would_throttle = GaugeMetricFamily(
+            "output_rate_user_would_throttle_fraction",
+            "Fraction of a user's request-steps a shadow limit would have refused a token "
+            "(they were served) over the last 10 s",
+            labels=["user"],
+        )
+        for usage in self._live.totals():
             rate.add_metric([usage.user], usage.tokens_per_s_10s)
             throttled.add_metric([usage.user], usage.throttled_fraction)
+            would_throttle.add_metric([usage.user], usage.would_throttle_fraction)
         yield rate
         yield throttled
+        yield would_throttle

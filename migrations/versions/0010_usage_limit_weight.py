@@ -5,7 +5,7 @@ Rows written before this revision held only the limit when the minute was last w
 (limit_rate): they are taken as a whole minute reported under that limit.
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-12-02
 """
 
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0010"
-down_revision = "0008"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 

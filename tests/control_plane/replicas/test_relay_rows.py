@@ -18,6 +18,7 @@ from control_plane.engines import service as engines
 from control_plane.models import FleetRelayRow, table
 from control_plane.replicas import lease
 from control_plane.replicas import relay as r
+from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
 
 TIMEOUT_S = 5.0
@@ -100,15 +101,19 @@ def test_rows_nobody_took_are_pruned(pg: Database) -> None:
     assert num_rows(pg) == 0
 
 
-def seen(engine_id: str) -> engines.EngineSeen:
+def seen(engine_id: str, role: p.Role = p.ENGINE_ROLE) -> engines.EngineSeen:
     return engines.EngineSeen(
-        engine_id=engine_id, model="tiny", applied_version=0, first_seen=datetime.now(UTC)
+        engine_id=engine_id,
+        model="tiny",
+        applied_version=0,
+        first_seen=datetime.now(UTC),
+        role=role,
     )
 
 
-def claim(db: Database, engine_id: str, replica: str) -> bool:
+def claim(db: Database, engine_id: str, replica: str, role: p.Role = p.ENGINE_ROLE) -> bool:
     return db.run_now(
-        engines.claim_engine, engine_id=engine_id, replica=replica, timeout_s=TIMEOUT_S
+        engines.claim_engine, engine_id=engine_id, replica=replica, timeout_s=TIMEOUT_S, role=role
     )
 
 
@@ -126,7 +131,9 @@ def test_an_engine_core_is_bound_on_one_replica_at_a_time(db: Database) -> None:
     # a pause, writes nothing for it any more and is told so.
     db.run_now(engines.disconnect_engines, engine_ids=["e1"], replica="a")
     assert claim(db, "e1", "b")
-    assert db.run_now(engines.record_engines, seen=[seen("e1")], replica="a") == {"e1"}
+    assert db.run_now(engines.record_engines, seen=[seen("e1")], replica="a") == {
+        ("e1", p.ENGINE_ROLE)
+    }
     db.run_now(engines.disconnect_engines, engine_ids=["e1"], replica="a")
     assert db.run_now(engines.record_engines, seen=[seen("e1")], replica="b") == set()
     assert connected(db) == {"e1": True}
@@ -141,8 +148,42 @@ def test_a_new_id_bound_on_two_replicas_at_once_stays_with_the_first_that_writes
     assert connected(db) == {}  # a bind alone writes no row
     # ... the first to write it keeps it; the other is told and lets go.
     assert db.run_now(engines.record_engines, seen=[seen("fresh")], replica="a") == set()
-    assert db.run_now(engines.record_engines, seen=[seen("fresh")], replica="b") == {"fresh"}
+    assert db.run_now(engines.record_engines, seen=[seen("fresh")], replica="b") == {
+        ("fresh", p.ENGINE_ROLE)
+    }
     assert not claim(db, "fresh", "b")
+
+
+def test_an_api_server_is_bound_on_one_replica_at_a_time_like_its_core(db: Database) -> None:
+    # The core on a, its API server on b: each is bound where it is, apart.
+    assert claim(db, "e1", "a")
+    db.run_now(engines.record_engines, seen=[seen("e1")], replica="a")
+    assert claim(db, "e1", "b", p.API_ROLE)
+    db.run_now(engines.record_engines, seen=[seen("e1", p.API_ROLE)], replica="b")
+    # The API server's id live on b cannot be claimed on a (nor c), nor the core on b.
+    assert not claim(db, "e1", "a", p.API_ROLE)
+    assert not claim(db, "e1", "c", p.API_ROLE)
+    assert not claim(db, "e1", "b")
+    assert claim(db, "e1", "b", p.API_ROLE)  # b again (a reconnect there)
+    # b lets it go (its connection timed out there): a may take it, and b, woken after a
+    # pause, writes nothing for it any more and is told so.
+    db.run_now(engines.disconnect_engines, engine_ids=["e1"], role=p.API_ROLE, replica="b")
+    assert claim(db, "e1", "a", p.API_ROLE)
+    assert db.run_now(engines.record_engines, seen=[seen("e1", p.API_ROLE)], replica="b") == {
+        ("e1", p.API_ROLE)
+    }
+    # a replica starting clears only the API servers homed there.
+    db.run_now(engines.record_engines, seen=[seen("e1", p.API_ROLE)], replica="a")
+    db.run_now(engines.disconnect_engines, engine_ids=None, role=p.API_ROLE, replica="b")
+    assert not claim(db, "e1", "b", p.API_ROLE)
+    # A new id's API server: the first replica to write its row keeps it.
+    assert claim(db, "e2", "a", p.API_ROLE) and claim(db, "e2", "b", p.API_ROLE)
+    assert db.run_now(engines.record_engines, seen=[seen("e2", p.API_ROLE)], replica="a") == set()
+    assert db.run_now(engines.record_engines, seen=[seen("e2", p.API_ROLE)], replica="b") == {
+        ("e2", p.API_ROLE)
+    }
+    assert not claim(db, "e2", "b", p.API_ROLE)
+    assert claim(db, "e2", "b")  # its core is free: no core has been seen
 
 
 def test_a_replica_starting_marks_only_its_own_engines_disconnected(db: Database) -> None:
