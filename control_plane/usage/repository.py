@@ -78,3 +78,21 @@ def top_usage_users(
         .limit(limit)
     )
     return list(conn.execute(query).scalars())
+
+
+def minute_tokens(
+    conn: Connection, *, since: int, until: int, users: Sequence[str] | None
+) -> dict[str, list[int]]:
+    """user -> tokens of each minute with since <= minute < until that has any (of these
+    users, in one statement; None: every user), summed over engines as stored."""
+    query = select(usage_minutes.c.user, usage_minutes.c.tokens).where(
+        usage_minutes.c.minute >= since,
+        usage_minutes.c.minute < until,
+        usage_minutes.c.tokens > 0,
+    )
+    if users is not None:
+        query = query.where(usage_minutes.c.user.in_(list(users)))
+    found: dict[str, list[int]] = {}
+    for user, tokens in conn.execute(query):
+        found.setdefault(user, []).append(tokens)
+    return found
