@@ -2,12 +2,14 @@
 
     user,tier,output_tokens_per_second,scope,enforcement
 
-read with Python's csv module (quoted fields may hold commas, quotes and line breaks;
-spaces around a field are dropped). An empty field is null: no tier, no override, inherit
-the scope or enforcement. Blank lines are skipped. The first non-blank line is a header,
-and skipped, when it names the columns in that order (any case; the first two or more of
-them: one name alone could be a user called "user"). Line numbers are the operator's:
-1-based, blank and header lines counted, a quoted line break counted where it is.
+read with Python's csv module (quoted fields may hold commas and doubled quotes; spaces
+around a field are dropped). A quote left open runs to the end of the body, so that field
+is refused, on the line where the quote opened. An empty field is null: no tier, no
+override, inherit the scope or enforcement. Blank lines are skipped. The first non-blank
+line is a header, and skipped, when it names the columns in that order (any case; the
+first two or more of them: one name alone could be a user called "user"). Line numbers
+are the operator's: 1-based, blank and header lines counted, a quoted line break counted
+where it is.
 
 Each field is checked by the JSON body's own rules (BulkItem); every bad line is reported,
 not only the first (control_plane.errors.InvalidLines)."""
@@ -48,7 +50,7 @@ def parse(text: str) -> CsvItems:
     items: list[UserItem] = []
     lines: list[int] = []
     problems: list[LineProblem] = []
-    reader = csv.reader(io.StringIO(text, newline=""), skipinitialspace=True, strict=True)
+    reader = csv.reader(io.StringIO(text, newline=""), skipinitialspace=True)
     seen_data = False
     next_line = 1
     while True:
@@ -58,7 +60,7 @@ def parse(text: str) -> CsvItems:
         except StopIteration:
             break
         except csv.Error as e:
-            # strict: an unterminated quote or a stray one; the rest cannot be trusted.
+            # A field over csv.field_size_limit(): the rest cannot be trusted.
             problems.append(LineProblem(line, "items", f"not valid CSV ({e})"))
             break
         next_line = reader.line_num + 1
