@@ -15,6 +15,9 @@ history) and compares every concerned user before and after:
   change").
 
 Nothing here writes: no version, no audit entry, no change-log row (so no delta).
+A preview is a plain dict of the ChangePreview shape (control_plane/limits/schemas.py,
+which documents it): every value is computed here, and building and validating 10,000
+pydantic items cost more than the whole computation.
 """
 
 from __future__ import annotations
@@ -30,14 +33,7 @@ from control_plane.db import service
 from control_plane.limits import repository as repo
 from control_plane.limits import service as limits
 from control_plane.limits.repository import TierLimit, UserRecord
-from control_plane.limits.schemas import (
-    MAX_BULK_ITEMS,
-    Change,
-    ChangePreview,
-    ItemState,
-    LastHour,
-    PreviewItem,
-)
+from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
 from control_plane.limits.service import BulkInput, UserItem
 from control_plane.usage import repository as usage
 from output_rate_core.limits import (
@@ -49,6 +45,8 @@ from output_rate_core.limits import (
     effective_scope,
 )
 
+# A ChangePreview as JSON-ready values (the route encodes it as is).
+Preview = dict[str, Any]
 HOUR_S = 3600
 MINUTE_S = 60
 
@@ -99,31 +97,35 @@ def _held(resolved: tuple[int | None, Scope, Enforcement]) -> int | None:
     return rate if mode == ENFORCE else None
 
 
-def _state(record: UserRecord | None, resolved: tuple[int | None, Scope, Enforcement]) -> Any:
+def _state(
+    record: UserRecord | None, resolved: tuple[int | None, Scope, Enforcement]
+) -> dict[str, Any] | None:
+    """An ItemState."""
     if record is None:
         return None
     rate, scope, mode = resolved
-    return ItemState(
-        tier=record.tier,
-        output_tokens_per_second=record.rate,
-        effective_output_tokens_per_second=rate,
-        effective_scope=scope,
-        effective_enforcement=mode,
-    )
+    return {
+        "tier": record.tier,
+        "output_tokens_per_second": record.rate,
+        "effective_output_tokens_per_second": rate,
+        "effective_scope": scope,
+        "effective_enforcement": mode,
+    }
 
 
-def _last_hour(tokens: list[int] | None, held: int | None) -> LastHour | None:
+def _last_hour(tokens: list[int] | None, held: int | None) -> dict[str, Any] | None:
+    """A LastHour."""
     if not tokens:
         return None
     # Integer comparison (tokens > rate * 60): exact, no float rounding at the edge.
     over = [] if held is None else [t for t in tokens if t > held * MINUTE_S]
-    return LastHour(
-        peak_output_tokens_per_second=max(tokens) / MINUTE_S,
-        num_minutes_over_new_limit=len(over),
-        max_over_new_limit_output_tokens_per_second=(
+    return {
+        "peak_output_tokens_per_second": max(tokens) / MINUTE_S,
+        "num_minutes_over_new_limit": len(over),
+        "max_over_new_limit_output_tokens_per_second": (
             max(over) / MINUTE_S - held if over and held is not None else 0.0
         ),
-    )
+    }
 
 
 def _order(before: int | None, after: int | None) -> Change:
@@ -150,10 +152,10 @@ def build(
     after: World,
     history: Mapping[str, list[int]],
     items_limit: int,
-) -> ChangePreview:
-    downs: list[tuple[float, str, PreviewItem]] = []
-    ups: list[PreviewItem] = []
-    sames: list[PreviewItem] = []
+) -> Preview:
+    downs: list[tuple[float, str, dict[str, Any]]] = []
+    ups: list[dict[str, Any]] = []
+    sames: list[dict[str, Any]] = []
     num_created = num_dropped = num_over = 0
     for c in candidates:
         old = _resolve(c.before, before)
@@ -162,40 +164,46 @@ def build(
             continue
         old_held, new_held = _held(old), _held(new)
         change = _order(old_held, new_held)
-        item = PreviewItem(
-            user=c.user,
-            change=change,
-            created=c.before is None and c.after is not None,
-            override_dropped=c.before is not None
+        created = c.before is None and c.after is not None
+        dropped = (
+            c.before is not None
             and c.before.rate is not None
-            and (c.after is None or c.after.rate is None),
-            before=_state(c.before, old),
-            after=_state(c.after, new),
-            last_hour=_last_hour(history.get(c.user), new_held),
+            and (c.after is None or c.after.rate is None)
         )
-        num_created += item.created
-        num_dropped += item.override_dropped
+        last_hour = _last_hour(history.get(c.user), new_held)
+        item = {
+            "user": c.user,
+            "change": change,
+            "created": created,
+            "override_dropped": dropped,
+            "before": _state(c.before, old),
+            "after": _state(c.after, new),
+            "last_hour": last_hour,
+        }
+        num_created += created
+        num_dropped += dropped
         if change == "down":
-            num_over += bool(item.last_hour and item.last_hour.num_minutes_over_new_limit)
+            num_over += bool(last_hour and last_hour["num_minutes_over_new_limit"])
             downs.append((_cut_key(old_held, new_held), c.user, item))
         else:
             (ups if change == "up" else sames).append(item)
     downs.sort(key=lambda d: (d[0], d[1]))
-    ups.sort(key=lambda i: i.user)
-    sames.sort(key=lambda i: i.user)
+    ups.sort(key=lambda i: str(i["user"]))
+    sames.sort(key=lambda i: str(i["user"]))
     items = [d[2] for d in downs] + ups + sames
-    return ChangePreview(
-        version=version,
-        num_users=len(items),
-        num_down=len(downs),
-        num_up=len(ups),
-        num_same=len(sames),
-        num_created=num_created,
-        num_overrides_dropped=num_dropped,
-        num_over_new_limit=num_over,
-        items=items[:items_limit],
-        items_truncated=len(items) > items_limit,
-    )
+    return {
+        "dry_run": True,
+        "version": version,
+        "num_users": len(items),
+        "num_down": len(downs),
+        "num_up": len(ups),
+        "num_same": len(sames),
+        "num_created": num_created,
+        "num_overrides_dropped": num_dropped,
+        "num_over_new_limit": num_over,
+        "items": items[:items_limit],
+        "items_truncated": len(items) > items_limit,
+    }
 
 
 # ---- what each write would do ----------------------------------------------
@@ -225,7 +233,7 @@ def _users_preview(
     world: World,
     pairs: Sequence[tuple[str, UserRecord | None, UserRecord | None]],
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     """Users named by the write, each with its record before and after."""
     users = [user for user, _, _ in pairs]
     history = _history(conn, users if len(users) <= MAX_BULK_ITEMS else None)
@@ -250,7 +258,7 @@ def put_limit(
     scope: Scope | None,
     enforcement: Enforcement | None,
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     version, world = _world(conn)
     limits.tier_limit_of(conn, tier)
     record = repo.get_user(conn, user)
@@ -261,7 +269,7 @@ def put_limit(
 @service("read")
 def patch_limit(
     conn: Connection, *, user: str, changes: dict[str, Any], items_limit: int
-) -> ChangePreview:
+) -> Preview:
     version, world = _world(conn)
     record = repo.get_user(conn, user)
     item = limits.patched_item(record, user, changes)
@@ -273,7 +281,7 @@ def patch_limit(
 
 
 @service("read")
-def delete_limit(conn: Connection, *, user: str, items_limit: int) -> ChangePreview:
+def delete_limit(conn: Connection, *, user: str, items_limit: int) -> Preview:
     version, world = _world(conn)
     record = repo.get_user(conn, user)
     return _users_preview(conn, version, world, [(user, record, None)], items_limit)
@@ -287,7 +295,7 @@ def bulk_put_limits(
     lines: Sequence[int] | None = None,
     problems: Sequence[Any] = (),
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     version, world = _world(conn)
     limits.check_bulk(BulkInput(items, lines, problems), world.tiers)
     records = repo.records_of(conn, [i.user for i in items])
@@ -302,7 +310,7 @@ def _tier_preview(
     tier: repo.TierRow | None,
     limit: TierLimit,
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     """The users of tier `name` (now `tier`, None: new) whose values change with `limit`."""
     version, world = _world(conn)
     after = World({**world.tiers, name: limit}, world.default)
@@ -328,7 +336,7 @@ def put_tier(
     scope: Scope | None,
     enforcement: Enforcement | None,
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     limit = TierLimit(rate, scope, enforcement)
     tier = repo.get_tier(conn, name)
     return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
@@ -337,14 +345,14 @@ def put_tier(
 @service("scan")
 def patch_tier(
     conn: Connection, *, name: str, changes: dict[str, Any], items_limit: int
-) -> ChangePreview:
+) -> Preview:
     tier = limits.existing_tier(conn, name)
     limit = limits.patched_tier_limit(tier, changes)
     return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
 
 
 @service("read")
-def delete_tier(conn: Connection, *, name: str, items_limit: int) -> ChangePreview:
+def delete_tier(conn: Connection, *, name: str, items_limit: int) -> Preview:
     version, world = _world(conn)
     limits.deletable_tier(conn, name)
     # A tier is deleted only without users: nobody's limit changes.
@@ -366,7 +374,7 @@ def put_default(
     scope: Scope | None,
     enforcement: Enforcement | None,
     items_limit: int,
-) -> ChangePreview:
+) -> Preview:
     """Every configured user whose effective values change, and the users seen in the
     last hour with no record (they follow the default)."""
     version, world = _world(conn)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from control_plane.auth import ReaderDep, WriterDep
@@ -67,9 +67,10 @@ BULK_BODY: dict[str, Any] = {
 }
 
 
-def _preview_response(result: ChangePreview) -> Response:
-    """A preview where the write would answer 204."""
-    return JSONResponse(result.model_dump(mode="json"))
+def _preview_response(result: preview.Preview) -> Response:
+    """A preview, encoded as is: validating its up to 10,000 items again against
+    ChangePreview (which documents it) would cost more than computing them."""
+    return Response(msgspec.json.encode(result), media_type="application/json")
 
 
 @router.get("/limits", response_model=LimitPage)
@@ -150,11 +151,12 @@ async def bulk_put_limits(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> BulkOut | ChangePreview:
+) -> BulkOut | Response:
     bulk = await _bulk_body(request)
     kw: dict[str, Any] = {"items": bulk.items, "lines": bulk.lines, "problems": bulk.problems}
     if dry_run:
-        return await db.run(preview.bulk_put_limits, items_limit=items_limit, **kw)
+        result = await db.run(preview.bulk_put_limits, items_limit=items_limit, **kw)
+        return _preview_response(result)
     change = await db.run(service.bulk_put_limits, actor=principal.name, **kw)
     return change.result
 
@@ -174,7 +176,7 @@ async def put_limit(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> LimitOut | ChangePreview:
+) -> LimitOut | Response:
     kw: dict[str, Any] = {
         "user": user,
         "rate": body.output_tokens_per_second,
@@ -183,7 +185,8 @@ async def put_limit(
         "enforcement": body.enforcement,
     }
     if dry_run:
-        return await db.run(preview.put_limit, items_limit=items_limit, **kw)
+        result = await db.run(preview.put_limit, items_limit=items_limit, **kw)
+        return _preview_response(result)
     change = await db.run(service.put_limit, actor=principal.name, **kw)
     return change.result
 
@@ -201,12 +204,13 @@ async def patch_limit(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> LimitOut | ChangePreview:
+) -> LimitOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
     if dry_run:
-        return await db.run(
+        result = await db.run(
             preview.patch_limit, user=user, changes=changes, items_limit=items_limit
         )
+        return _preview_response(result)
     change = await db.run(service.patch_limit, actor=principal.name, user=user, changes=changes)
     return change.result
 
@@ -244,7 +248,7 @@ async def put_tier(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> TierOut | ChangePreview:
+) -> TierOut | Response:
     kw: dict[str, Any] = {
         "name": name,
         "rate": body.output_tokens_per_second,
@@ -252,7 +256,8 @@ async def put_tier(
         "enforcement": body.enforcement,
     }
     if dry_run:
-        return await db.run(preview.put_tier, items_limit=items_limit, **kw)
+        result = await db.run(preview.put_tier, items_limit=items_limit, **kw)
+        return _preview_response(result)
     change = await db.run(
         service.put_tier, actor=principal.name, description=body.description, **kw
     )
@@ -273,10 +278,13 @@ async def patch_tier(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> TierOut | ChangePreview:
+) -> TierOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
     if dry_run:
-        return await db.run(preview.patch_tier, name=name, changes=changes, items_limit=items_limit)
+        result = await db.run(
+            preview.patch_tier, name=name, changes=changes, items_limit=items_limit
+        )
+        return _preview_response(result)
     change = await db.run(service.patch_tier, actor=principal.name, name=name, changes=changes)
     return change.result
 
@@ -312,13 +320,14 @@ async def put_default(
     principal: WriterDep,
     dry_run: DryRun = False,
     items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
-) -> DefaultOut | ChangePreview:
+) -> DefaultOut | Response:
     kw: dict[str, Any] = {
         "rate": body.output_tokens_per_second,
         "scope": body.scope,
         "enforcement": body.enforcement,
     }
     if dry_run:
-        return await db.run(preview.put_default, items_limit=items_limit, **kw)
+        result = await db.run(preview.put_default, items_limit=items_limit, **kw)
+        return _preview_response(result)
     change = await db.run(service.put_default, actor=principal.name, **kw)
     return change.result

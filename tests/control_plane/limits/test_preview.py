@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
 from control_plane.limits import service as limits
+from control_plane.limits.schemas import ChangePreview
 from control_plane.usage.repository import UsageRow, add_usage
 from tests.control_plane.factories import make_client
 
@@ -82,6 +83,8 @@ def test_bulk_preview_lists_each_user_before_and_after_with_exact_counts(
     response = client.post("/limits:bulk?dry_run=true", json={"items": items})
     assert response.status_code == 200
     preview = response.json()
+    # The shape OpenAPI documents (the route encodes the preview without a second pass).
+    assert ChangePreview.model_validate(preview).model_dump(mode="json") == preview
     assert preview["dry_run"] is True and preview["version"] == at
     assert counts(preview) == (4, 2, 1, 1, 1, 1, 2)
     # Cuts first, the largest relative one first (unlimited -> 20 before 1000 -> 20).
@@ -202,7 +205,7 @@ def test_dry_run_writes_nothing(client: TestClient) -> None:
     for method, path, body in calls:
         response = client.request(method, f"{path}?dry_run=true", json=body)
         assert response.status_code == 200, (method, path, response.text)
-        assert response.json()["dry_run"] is True
+        ChangePreview.model_validate(response.json())
     csv = client.post("/limits:bulk?dry_run=true", content="a,free\nc\n", headers=CSV)
     assert csv.status_code == 200
     assert version(client) == at and committed == []
