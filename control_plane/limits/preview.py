@@ -36,6 +36,7 @@ from control_plane.limits.repository import TierLimit, UserRecord
 from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
 from control_plane.limits.service import BulkInput, UserItem
 from control_plane.usage import repository as usage
+from control_plane.usage.repository import MinuteTokens
 from output_rate_core.limits import (
     ENFORCE,
     Enforcement,
@@ -113,14 +114,19 @@ def _state(
     }
 
 
-def _last_hour(tokens: list[int] | None, held: int | None) -> dict[str, Any] | None:
+def _last_hour(minutes: MinuteTokens | None, held: int | None) -> dict[str, Any] | None:
     """A LastHour."""
-    if not tokens:
+    if minutes is None:
         return None
-    # Integer comparison (tokens > rate * 60): exact, no float rounding at the edge.
-    over = [] if held is None else [t for t in tokens if t > held * MINUTE_S]
+    # Integer comparison (tokens > rate * 60): exact, no float rounding at the edge. The
+    # minutes are read only when the peak is over.
+    over = (
+        []
+        if held is None or minutes.peak <= held * MINUTE_S
+        else [t for t in minutes.values() if t > held * MINUTE_S]
+    )
     return {
-        "peak_output_tokens_per_second": max(tokens) / MINUTE_S,
+        "peak_output_tokens_per_second": minutes.peak / MINUTE_S,
         "num_minutes_over_new_limit": len(over),
         "max_over_new_limit_output_tokens_per_second": (
             max(over) / MINUTE_S - held if over and held is not None else 0.0
@@ -150,16 +156,26 @@ def build(
     candidates: Iterable[Candidate],
     before: World,
     after: World,
-    history: Mapping[str, list[int]],
+    history: Mapping[str, MinuteTokens],
     items_limit: int,
 ) -> Preview:
     downs: list[tuple[float, str, dict[str, Any]]] = []
     ups: list[dict[str, Any]] = []
     sames: list[dict[str, Any]] = []
     num_created = num_dropped = num_over = 0
+    # Records resolve by their values alone: thousands of users share a few of them.
+    resolved: dict[tuple[bool, Any], tuple[int | None, Scope, Enforcement]] = {}
+
+    def resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
+        key = (world is after, record and record._replace(version=0))
+        found = resolved.get(key)
+        if found is None:
+            found = resolved[key] = _resolve(record, world)
+        return found
+
     for c in candidates:
-        old = _resolve(c.before, before)
-        new = _resolve(c.after, after)
+        old = resolve(c.before, before)
+        new = resolve(c.after, after)
         if not c.listed and old == new:
             continue
         old_held, new_held = _held(old), _held(new)
@@ -215,7 +231,7 @@ def _world(conn: Connection) -> tuple[int, World]:
     return state.version, World(repo.tier_limits(conn), default)
 
 
-def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, list[int]]:
+def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:
     """The last hour of usage: every minute that overlaps it (the current one included),
     of `users` (None: everyone)."""
     now = int(time.time())
