@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import msgspec
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
+from control_plane.db import one_of
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
 from output_rate_core.limits import Enforcement, Scope
@@ -308,11 +309,12 @@ def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
 
 
 def records_of(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
-    """The records of `users` in one statement (up to MAX_BULK_ITEMS ids: below the bound
-    parameters both databases take in one statement, 32,766 on SQLite >= 3.32)."""
+    """The records of `users` (up to MAX_BULK_ITEMS ids) in one statement."""
     if not users:
         return {}
-    query = select(user_limits.c.user, *_RECORD_COLUMNS).where(user_limits.c.user.in_(users))
+    query = select(user_limits.c.user, *_RECORD_COLUMNS).where(
+        one_of(conn, user_limits.c.user, list(users))
+    )
     return {user: UserRecord(*record) for user, *record in conn.execute(query)}
 
 

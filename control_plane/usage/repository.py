@@ -8,6 +8,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection, String, cast, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from control_plane.db import one_of
 from control_plane.models import UsageMinute, table
 
 usage_minutes = table(UsageMinute)
@@ -110,5 +111,5 @@ def minute_tokens(
         .group_by(usage_minutes.c.user)
     )
     if users is not None:
-        query = query.where(usage_minutes.c.user.in_(list(users)))
+        query = query.where(one_of(conn, usage_minutes.c.user, list(users)))
     return {user: MinuteTokens(peak, tokens) for user, peak, tokens in conn.execute(query)}
