@@ -216,3 +216,26 @@ def first_minutes(preview: dict[str, Any]) -> int:
     minutes = int(preview["items"][0]["last_hour"]["num_minutes_over_new_limit"])
     assert minutes == 30  # every minute of its history
     return minutes
+
+
+def test_default_change_confirmation_shows_whom_it_holds(
+    browser: Browser, served: ControlPlane
+) -> None:
+    # A record with neither tier nor override follows the default (5 tok/s, seeded).
+    api(served, "PUT", "/limits/loose-1", json={"scope": "engine"}).raise_for_status()
+    with watched_page(browser) as watched:
+        page = watched.page
+        sign_in(page, served, "tiers")
+        sent: list[str] = []
+        page.on("request", lambda r: sent.append(r.url) if r.method == "PUT" else None)
+        page.fill("#default-rate-rate", "3")
+        page.get_by_role("button", name="Save default limit").click()
+        dialog = page.locator("#confirm")
+        expect(dialog).to_be_visible()
+        expect(page.locator("#preview-counts")).to_have_text(
+            "1 user held to a lower rate, 0 to a higher one, 0 unchanged."
+        )
+        expect(page.locator("#preview-cuts li").first).to_have_text("loose-1: 5 tok/s → 3 tok/s")
+        assert sent == [f"{served.url}/default-limit?dry_run=true"]
+        dialog.get_by_role("button", name="Cancel").click()
+    assert api(served, "GET", "/default-limit").json()["output_tokens_per_second"] == 5
