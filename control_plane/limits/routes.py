@@ -52,11 +52,28 @@ PREVIEW_200: dict[int | str, dict[str, Any]] = {
     200: {"model": ChangePreview, "description": "dry_run=true: what the write would change"}
 }
 CSV = "text/csv"
+
+
+def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with its local references (#/$defs/...) replaced by what they name."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inlined(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inlined(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(v, defs) for v in schema]
+    return schema
+
+
+# The bulk route reads its body itself (JSON or CSV), so FastAPI does not list BulkIn:
+# its schema is given here, whole.
+_BULK_SCHEMA = BulkIn.model_json_schema()
 BULK_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/BulkIn"}},
+            "application/json": {"schema": _inlined(_BULK_SCHEMA, _BULK_SCHEMA.get("$defs", {}))},
             CSV: {
                 "schema": {"type": "string"},
                 "example": "user,tier,output_tokens_per_second,scope,enforcement\n"

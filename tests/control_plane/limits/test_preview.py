@@ -6,6 +6,8 @@ blank lines, every bad line named by its line number."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -337,3 +339,7 @@ def test_openapi_documents_dry_run_and_both_responses(client: TestClient) -> Non
         assert "ChangePreview" in str(op["responses"]["200"]), (path, method)
     bulk = spec["paths"]["/limits:bulk"]["post"]["requestBody"]["content"]
     assert set(bulk) == {"application/json", "text/csv"}
+    assert "items" in bulk["application/json"]["schema"]["properties"]
+    # Every reference resolves (the bulk body's schema is given whole, not by a $ref).
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec))
+    assert refs and set(refs) <= set(spec["components"]["schemas"])
