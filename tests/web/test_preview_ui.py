@@ -113,7 +113,24 @@ def test_tier_rate_change_confirmation_shows_the_cut_count(
         page.get_by_role("button", name="Save tier gold").click()
         dialog.get_by_role("button", name="Set gold to 40 tok/s").click()
         expect(page.locator("#toast")).to_contain_text("rate 100 tok/s → 40 tok/s")
-    assert api(served, "GET", "/tiers/gold").json()["output_tokens_per_second"] == 40
+        assert api(served, "GET", "/tiers/gold").json()["output_tokens_per_second"] == 40
+        # shadow -> enforce holds every user of the tier (gold-00 too, at its override):
+        # unlimited -> a rate, equal cuts by user id.
+        api(served, "PATCH", "/tiers/gold", json={"enforcement": "shadow"}).raise_for_status()
+        page.reload()
+        expect(page.locator('#tiers tr[data-tier="gold"]')).to_contain_text("(shadow)")
+        page.get_by_role("button", name="Edit tier gold").click()
+        page.select_option("#edit-enforcement", "enforce")
+        page.get_by_role("button", name="Save tier gold").click()
+        expect(page.locator("#preview-counts")).to_have_text(
+            "30 users held to a lower rate, 0 to a higher one, 0 unchanged."
+        )
+        expect(page.locator("#preview-cuts li").first).to_have_text(
+            "gold-00: 500 tok/s (shadow) → 500 tok/s"
+        )
+        dialog.get_by_role("button", name="Set the enforcement of gold to enforce").click()
+        expect(page.locator("#toast")).to_contain_text("enforcement shadow → enforce")
+    assert api(served, "GET", "/tiers/gold").json()["enforcement"] == "enforce"
 
 
 def test_a_bad_csv_names_its_line_before_any_confirmation_and_writes_nothing(

@@ -128,7 +128,7 @@ export async function render(main) {
           `Change the rate of tier ${tier.name}?`,
           lines,
           !("output_tokens_per_second" in changes)
-            ? `Set ${tier.name} to ${enforcementWords(newEnforcement)}`
+            ? `Set the enforcement of ${tier.name} to ${enforcementWords(newEnforcement)}`
             : newRate === null
               ? `Make ${tier.name} unlimited`
               : `Set ${tier.name} to ${fmtInt(newRate)} tok/s`,
