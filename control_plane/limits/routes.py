@@ -74,8 +74,13 @@ BULK_BODY: dict[str, Any] = {
         "required": True,
         "content": {
             "application/json": {"schema": _inlined(_BULK_SCHEMA, _BULK_SCHEMA.get("$defs", {}))},
+            # Any text is a CSV body: the schema says nothing a client could violate (its
+            # rules, all reported by line, are in the description and the docs).
             CSV: {
-                "schema": {"type": "string"},
+                "schema": {
+                    "description": "Lines of user,tier,output_tokens_per_second,scope,"
+                    "enforcement (an optional header line; quoted fields allowed)"
+                },
                 "example": "user,tier,output_tokens_per_second,scope,enforcement\n"
                 'alice,pro,,,\n"bob",,50,engine,shadow\n',
             },
