@@ -131,9 +131,10 @@ def timed(http: httpx.Client, path: str, body: str) -> tuple[float, dict[str, ob
     return elapsed, response.json()
 
 
-def run(kind: str, reps: int) -> list[tuple[str, int, list[float], str]]:
-    """(what, lines, ms per call, a note) rows."""
+def run(kind: str, reps: int) -> tuple[list[tuple[str, int, list[float], str]], str]:
+    """(what, lines, ms per call, a note) rows, and the machine's load while they ran."""
     rows: list[tuple[str, int, list[float], str]] = []
+    load_before = os.getloadavg()[0]
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="preview-")))
         db_url = stack.enter_context(fresh_database(kind, workdir))
@@ -158,10 +159,12 @@ def run(kind: str, reps: int) -> list[tuple[str, int, list[float], str]]:
                 ms, result = timed(http, "/limits:bulk", csv_body(size, ("pro", "basic")[rep % 2]))
                 applies.append(ms)
             rows.append(("apply", size, applies, f"{result['num_changed']} changed per apply"))
-    return rows
+    return rows, f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
 
 
-def report(results: dict[str, list[tuple[str, int, list[float], str]]], reps: int) -> str:
+def report(
+    results: dict[str, tuple[list[tuple[str, int, list[float], str]], str]], reps: int
+) -> str:
     lines = [
         "# Bulk import preview (CSV, dry_run)",
         "",
@@ -176,14 +179,19 @@ def report(results: dict[str, list[tuple[str, int, list[float], str]]], reps: in
         "| database | call | CSV lines | calls | p50 | p99 | max | goal | figures |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for kind, rows in results.items():
+    for kind, (rows, _) in results.items():
         for what, size, times, note in rows:
             goal = "< 2 s" if what.startswith("preview") and size == 10_000 else ""
             lines.append(
                 f"| {kind} | {what} | {size:,} | {len(times)} | {pct(times, 50):.0f} ms "
                 f"| {pct(times, 99):.0f} ms | {max(times):.0f} ms | {goal} | {note} |"
             )
+    loads = ", ".join(f"{kind} {load}" for kind, (_, load) in results.items())
     lines += [
+        "",
+        f"1-minute load average at the start and the end of each database's run: {loads} "
+        f"(on {os.cpu_count()} CPUs: other work shared the machine; the ratios to the apply "
+        "measured beside each preview are steadier than the absolute times).",
         "",
         "Notes: a preview runs one read each of the config state, the tiers, the records "
         "of the listed users and the last hour of their usage history (no per-user query), "
