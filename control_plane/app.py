@@ -111,8 +111,11 @@ def create_app(
     # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        body: dict[str, Any] = {"detail": exc.message, "field": exc.field}
+        if exc.errors is not None:
+            body["errors"] = exc.errors
         return JSONResponse(
-            {"detail": exc.message, "field": exc.field},
+            body,
             status_code=exc.status_code,
             headers=exc.headers,
         )

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Connection, create_engine, event, text
+from sqlalchemy import Connection, String, any_, bindparam, create_engine, event, text
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.sql.elements import ColumnElement
 
 logger = logging.getLogger("control_plane")
 
@@ -48,6 +50,15 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # More connections than the server's 40 worker threads: a thread holding a connection
 # must never wait for one blocked on the pool.
 _POOL: dict[str, Any] = {"pool_size": 10, "max_overflow": 40}
+
+
+def one_of(conn: Connection, column: Any, values: list[str]) -> ColumnElement[bool]:
+    """`column IN values` as one statement parameter on PostgreSQL (= ANY(array)): with
+    10,000 values an IN list of as many parameters cost it 4x more to send and plan. SQLite
+    (>= 3.32: 32,766 parameters) takes the list, probed through the index."""
+    if conn.dialect.name == "postgresql":
+        return column == any_(bindparam(None, values, type_=ARRAY(String)))
+    return column.in_(values)
 
 
 def make_engine(url: str) -> Engine:

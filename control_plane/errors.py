@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 
 class DomainError(Exception):
     status_code = 400
+    # Several errors at once (the error body's "errors"), or None: only `field`.
+    errors: list[dict[str, Any]] | None = None
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -29,6 +32,32 @@ class Conflict(DomainError):
 
 class InvalidInput(DomainError):
     status_code = 422
+
+
+class LineProblem(NamedTuple):
+    """What is wrong with one line of a text body (a CSV bulk import)."""
+
+    line: int  # 1-based, counting every line as the operator wrote it
+    field: str
+    reason: str
+
+
+class InvalidLines(InvalidInput):
+    """Bad lines of a text body: every one named by its line (the first MAX_REPORTED)."""
+
+    MAX_REPORTED = 50
+
+    def __init__(self, problems: list[LineProblem]) -> None:
+        problems = sorted(problems)
+        shown = problems[: self.MAX_REPORTED]
+        messages = [f"line {p.line}: {p.field}: {p.reason}" for p in shown]
+        more = len(problems) - len(shown)
+        detail = "; ".join(messages) + (f"; and {more} more errors" if more else "")
+        super().__init__(detail, field="items")
+        self.errors = [
+            {"field": p.field, "line": p.line, "msg": m, "type": "invalid_line"}
+            for p, m in zip(shown, messages, strict=True)
+        ]
 
 
 class TooManyRequests(DomainError):

@@ -24,6 +24,9 @@ class FieldError(BaseModel):
     field: str
     msg: str
     type: str
+    line: int | None = Field(
+        default=None, description="A text body's line (1-based, blank lines counted)"
+    )
 
 
 class ErrorOut(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import msgspec
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
+from control_plane.db import one_of
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
 from output_rate_core.limits import Enforcement, Scope
@@ -305,6 +306,24 @@ def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
         for user, *record in conn.execute(query):
             found[user] = UserRecord(*record)
     return found
+
+
+def records_of(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
+    """The records of `users` (up to MAX_BULK_ITEMS ids) in one statement."""
+    if not users:
+        return {}
+    query = select(user_limits.c.user, *_RECORD_COLUMNS).where(
+        one_of(conn, user_limits.c.user, list(users))
+    )
+    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
+
+
+def user_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
+    """Every configured user's record (only those of `tier`, if given)."""
+    query = select(user_limits.c.user, *_RECORD_COLUMNS)
+    if tier is not None:
+        query = query.where(user_limits.c.tier == tier)
+    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
 
 
 def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:

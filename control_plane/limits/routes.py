@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Response, status
+import msgspec
+from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from control_plane.auth import ReaderDep, WriterDep
 from control_plane.deps import DatabaseDep, FleetDep, UsageSourceDep
-from control_plane.limits import service
+from control_plane.errors import DomainError
+from control_plane.limits import csv_items, preview, service
 from control_plane.limits.schemas import (
+    MAX_PREVIEW_ITEMS,
     BulkIn,
     BulkOut,
+    ChangePreview,
     DefaultIn,
     DefaultOut,
     LimitDetail,
@@ -30,6 +36,63 @@ from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PAT
 router = APIRouter(responses=ERRORS)
 
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
+DryRun = Annotated[
+    bool,
+    Query(
+        description="true: write nothing; answer what the write would change (a "
+        "ChangePreview, 200), with the write's own validation and errors"
+    ),
+]
+ItemsLimit = Annotated[
+    int,
+    Query(ge=0, le=MAX_PREVIEW_ITEMS, description="With dry_run: the items listed at most"),
+]
+# OpenAPI of a write that answers 204 (DELETE): the preview's 200.
+PREVIEW_200: dict[int | str, dict[str, Any]] = {
+    200: {"model": ChangePreview, "description": "dry_run=true: what the write would change"}
+}
+CSV = "text/csv"
+
+
+def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with its local references (#/$defs/...) replaced by what they name."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inlined(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inlined(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(v, defs) for v in schema]
+    return schema
+
+
+# The bulk route reads its body itself (JSON or CSV), so FastAPI does not list BulkIn:
+# its schema is given here, whole.
+_BULK_SCHEMA = BulkIn.model_json_schema()
+BULK_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _inlined(_BULK_SCHEMA, _BULK_SCHEMA.get("$defs", {}))},
+            # Any text is a CSV body: the schema says nothing a client could violate (its
+            # rules, all reported by line, are in the description and the docs).
+            CSV: {
+                "schema": {
+                    "description": "Lines of user,tier,output_tokens_per_second,scope,"
+                    "enforcement (an optional header line; quoted fields allowed)"
+                },
+                "example": "user,tier,output_tokens_per_second,scope,enforcement\n"
+                'alice,pro,,,\n"bob",,50,engine,shadow\n',
+            },
+        },
+    }
+}
+
+
+def _preview_response(result: preview.Preview) -> Response:
+    """A preview, encoded as is: validating its up to 10,000 items again against
+    ChangePreview (which documents it) would cost more than computing them."""
+    return Response(msgspec.json.encode(result), media_type="application/json")
 
 
 @router.get("/limits", response_model=LimitPage)
@@ -74,13 +137,49 @@ async def list_limits(
     )
 
 
-@router.post("/limits:bulk", response_model=BulkOut)
-async def bulk_put_limits(body: BulkIn, db: DatabaseDep, principal: WriterDep) -> BulkOut:
+async def _bulk_body(request: Request) -> service.BulkInput:
+    """The items of a JSON body (BulkIn), or of a CSV one (csv_items) with their lines."""
+    body = await request.body()
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type == CSV:
+        try:
+            text = body.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise DomainError("body: not valid UTF-8", field="body") from None
+        parsed = csv_items.parse(text)
+        return service.BulkInput(parsed.items, parsed.lines, parsed.problems)
+    try:
+        bulk = BulkIn.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        ) from None
     items = [
         service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope, i.enforcement)
-        for i in body.items
+        for i in bulk.items
     ]
-    change = await db.run(service.bulk_put_limits, actor=principal.name, items=items)
+    return service.BulkInput(items)
+
+
+@router.post(
+    "/limits:bulk",
+    response_model=BulkOut | ChangePreview,
+    openapi_extra=BULK_BODY,
+    summary="Replace the records of up to 10,000 users as one version (JSON or CSV)",
+)
+async def bulk_put_limits(
+    request: Request,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> BulkOut | Response:
+    bulk = await _bulk_body(request)
+    kw: dict[str, Any] = {"items": bulk.items, "lines": bulk.lines, "problems": bulk.problems}
+    if dry_run:
+        result = await db.run(preview.bulk_put_limits, items_limit=items_limit, **kw)
+        return _preview_response(result)
+    change = await db.run(service.bulk_put_limits, actor=principal.name, **kw)
     return change.result
 
 
@@ -91,38 +190,64 @@ async def get_limit(
     return await db.run(service.get_limit_detail, user=user, fleet=fleet, usage=usage)
 
 
-@router.put("/limits/{user}", response_model=LimitOut)
+@router.put("/limits/{user}", response_model=LimitOut | ChangePreview)
 async def put_limit(
-    user: UserPath, body: LimitIn, db: DatabaseDep, principal: WriterDep
-) -> LimitOut:
-    change = await db.run(
-        service.put_limit,
-        actor=principal.name,
-        user=user,
-        rate=body.output_tokens_per_second,
-        tier=body.tier,
-        scope=body.scope,
-        enforcement=body.enforcement,
-    )
+    user: UserPath,
+    body: LimitIn,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> LimitOut | Response:
+    kw: dict[str, Any] = {
+        "user": user,
+        "rate": body.output_tokens_per_second,
+        "tier": body.tier,
+        "scope": body.scope,
+        "enforcement": body.enforcement,
+    }
+    if dry_run:
+        result = await db.run(preview.put_limit, items_limit=items_limit, **kw)
+        return _preview_response(result)
+    change = await db.run(service.put_limit, actor=principal.name, **kw)
     return change.result
 
 
 @router.patch(
     "/limits/{user}",
-    response_model=LimitOut,
+    response_model=LimitOut | ChangePreview,
     openapi_extra=merge_patch_body(LimitPatch),
     summary="Change only the fields sent (JSON merge patch, RFC 7396)",
 )
 async def patch_limit(
-    user: UserPath, body: LimitPatch, db: DatabaseDep, principal: WriterDep
-) -> LimitOut:
+    user: UserPath,
+    body: LimitPatch,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> LimitOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
+    if dry_run:
+        result = await db.run(
+            preview.patch_limit, user=user, changes=changes, items_limit=items_limit
+        )
+        return _preview_response(result)
     change = await db.run(service.patch_limit, actor=principal.name, user=user, changes=changes)
     return change.result
 
 
-@router.delete("/limits/{user}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_limit(user: UserPath, db: DatabaseDep, principal: WriterDep) -> Response:
+@router.delete("/limits/{user}", status_code=status.HTTP_204_NO_CONTENT, responses=PREVIEW_200)
+async def delete_limit(
+    user: UserPath,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> Response:
+    if dry_run:
+        result = await db.run(preview.delete_limit, user=user, items_limit=items_limit)
+        return _preview_response(result)
     await db.run(service.delete_limit, actor=principal.name, user=user)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -137,39 +262,70 @@ async def get_tier(name: TierPath, db: DatabaseDep, _: ReaderDep) -> TierOut:
     return await db.run(service.get_tier, name=name)
 
 
-@router.put("/tiers/{name}", response_model=TierOut)
-async def put_tier(name: TierPath, body: TierIn, db: DatabaseDep, principal: WriterDep) -> TierOut:
+@router.put("/tiers/{name}", response_model=TierOut | ChangePreview)
+async def put_tier(
+    name: TierPath,
+    body: TierIn,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> TierOut | Response:
+    kw: dict[str, Any] = {
+        "name": name,
+        "rate": body.output_tokens_per_second,
+        "scope": body.scope,
+        "enforcement": body.enforcement,
+    }
+    if dry_run:
+        result = await db.run(preview.put_tier, items_limit=items_limit, **kw)
+        return _preview_response(result)
     change = await db.run(
-        service.put_tier,
-        actor=principal.name,
-        name=name,
-        rate=body.output_tokens_per_second,
-        description=body.description,
-        scope=body.scope,
-        enforcement=body.enforcement,
+        service.put_tier, actor=principal.name, description=body.description, **kw
     )
     return change.result
 
 
 @router.patch(
     "/tiers/{name}",
-    response_model=TierOut,
+    response_model=TierOut | ChangePreview,
     responses=NOT_FOUND,
     openapi_extra=merge_patch_body(TierPatch),
     summary="Change only the fields sent (JSON merge patch, RFC 7396)",
 )
 async def patch_tier(
-    name: TierPath, body: TierPatch, db: DatabaseDep, principal: WriterDep
-) -> TierOut:
+    name: TierPath,
+    body: TierPatch,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> TierOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
+    if dry_run:
+        result = await db.run(
+            preview.patch_tier, name=name, changes=changes, items_limit=items_limit
+        )
+        return _preview_response(result)
     change = await db.run(service.patch_tier, actor=principal.name, name=name, changes=changes)
     return change.result
 
 
 @router.delete(
-    "/tiers/{name}", status_code=status.HTTP_204_NO_CONTENT, responses={**NOT_FOUND, **CONFLICT}
+    "/tiers/{name}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={**NOT_FOUND, **CONFLICT, **PREVIEW_200},
 )
-async def delete_tier(name: TierPath, db: DatabaseDep, principal: WriterDep) -> Response:
+async def delete_tier(
+    name: TierPath,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> Response:
+    if dry_run:
+        result = await db.run(preview.delete_tier, name=name, items_limit=items_limit)
+        return _preview_response(result)
     await db.run(service.delete_tier, actor=principal.name, name=name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -179,13 +335,21 @@ async def get_default(db: DatabaseDep, _: ReaderDep) -> DefaultOut:
     return await db.run(service.get_default)
 
 
-@router.put("/default-limit", response_model=DefaultOut)
-async def put_default(body: DefaultIn, db: DatabaseDep, principal: WriterDep) -> DefaultOut:
-    change = await db.run(
-        service.put_default,
-        actor=principal.name,
-        rate=body.output_tokens_per_second,
-        scope=body.scope,
-        enforcement=body.enforcement,
-    )
+@router.put("/default-limit", response_model=DefaultOut | ChangePreview)
+async def put_default(
+    body: DefaultIn,
+    db: DatabaseDep,
+    principal: WriterDep,
+    dry_run: DryRun = False,
+    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+) -> DefaultOut | Response:
+    kw: dict[str, Any] = {
+        "rate": body.output_tokens_per_second,
+        "scope": body.scope,
+        "enforcement": body.enforcement,
+    }
+    if dry_run:
+        result = await db.run(preview.put_default, items_limit=items_limit, **kw)
+        return _preview_response(result)
+    change = await db.run(service.put_default, actor=principal.name, **kw)
     return change.result

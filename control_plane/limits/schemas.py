@@ -4,7 +4,7 @@ or null; a scope is "fleet", "engine" or null (inherit); an enforcement is "enfo
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -158,3 +158,66 @@ class DefaultOut(BaseModel):
     scope: Scope | None = Field(description='null: "fleet"')
     enforcement: Enforcement | None = Field(description='null: "enforce"')
     version: int
+
+
+# ---- previews (?dry_run=true on every limit write) -------------------------
+
+# ?items_limit= of a preview: the items listed at most (the counts always cover them all).
+MAX_PREVIEW_ITEMS = 10_000
+
+Change = Literal["down", "up", "same"]
+
+
+class ItemState(BaseModel):
+    """A user's record and what it resolves to, before or after a change."""
+
+    tier: str | None
+    output_tokens_per_second: int | None = Field(description="The user's override, or null")
+    effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
+    effective_scope: Scope
+    effective_enforcement: Enforcement
+
+
+class LastHour(BaseModel):
+    """The user's stored usage over the minutes of the last hour, against the rate the
+    change would hold it to (each minute's tokens summed over engines, / 60)."""
+
+    peak_output_tokens_per_second: float
+    num_minutes_over_new_limit: int
+    max_over_new_limit_output_tokens_per_second: float = Field(
+        description="The most a minute exceeded the new held rate by (0: none did)"
+    )
+
+
+class PreviewItem(BaseModel):
+    user: str
+    change: Change = Field(
+        description="How the held rate moves: the effective rate where the effective "
+        "enforcement is enforce, unlimited under shadow"
+    )
+    created: bool = Field(description="The change creates the user's record")
+    override_dropped: bool = Field(description="The user's override would be cleared")
+    before: ItemState | None = Field(description="null: no record (the default applies)")
+    after: ItemState | None = Field(description="null: no record (deleted, or never made)")
+    last_hour: LastHour | None = Field(description="null: no usage stored in the last hour")
+
+
+class ChangePreview(BaseModel):
+    """What a write would change (?dry_run=true): nothing is written."""
+
+    dry_run: Literal[True] = True
+    version: int = Field(description="The config version the preview was computed at")
+    num_users: int = Field(description="Users listed, or whose record or effective limit changes")
+    num_down: int
+    num_up: int
+    num_same: int
+    num_created: int
+    num_overrides_dropped: int
+    num_over_new_limit: int = Field(
+        description="Of the users whose held rate falls: those that used more than the new "
+        "rate in some minute of the last hour"
+    )
+    items: list[PreviewItem] = Field(
+        description="Cuts first (largest relative cut first), then raises, then unchanged"
+    )
+    items_truncated: bool = Field(description="More users than ?items_limit=; counts are exact")

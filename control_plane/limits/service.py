@@ -9,7 +9,7 @@ it where its `@service` policy says); the caller commits."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from control_plane.audit.targets import (
     user_target,
 )
 from control_plane.db import ConfigChange, service
-from control_plane.errors import Conflict, InvalidInput, NotFound
+from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
 from control_plane.fleet.view import FleetView
 from control_plane.limits import repository as repo
 from control_plane.limits.repository import State, TierLimit, UserRecord
@@ -272,10 +272,7 @@ def list_tiers(conn: Connection) -> TierList:
 
 @service("read")
 def get_tier(conn: Connection, *, name: str) -> TierOut:
-    tier = repo.get_tier(conn, name)
-    if tier is None:
-        raise NotFound(f"tier {name!r} does not exist", field="name")
-    return tier_view(tier)
+    return tier_view(existing_tier(conn, name))
 
 
 @service("read")
@@ -387,7 +384,7 @@ def record_change(
     )
 
 
-def _tier_limit(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
+def tier_limit_of(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
     """The limit of `tier` (None for no tier); an unknown tier is bad input."""
     if tier is None:
         return None
@@ -420,7 +417,7 @@ def put_limit(
     enforcement: Enforcement | None = None,
 ) -> ConfigChange[LimitOut]:
     state = repo.lock_config(conn)
-    tier_limit = _tier_limit(conn, tier)
+    tier_limit = tier_limit_of(conn, tier)
     record = repo.get_user(conn, user)
     return _set_user(
         conn,
@@ -443,17 +440,9 @@ def patch_limit(
     A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
     state = repo.lock_config(conn)
     record = repo.get_user(conn, user)
-    current = _user_record(record) or _item_record(UserItem(user, None, None))
-    merged = {**current, **changes}
-    item = UserItem(
-        user,
-        merged["output_tokens_per_second"],
-        merged["tier"],
-        merged["scope"],
-        merged["enforcement"],
-    )
-    tier_limit = _tier_limit(conn, item.tier)
-    if record is None and merged == current:
+    item = patched_item(record, user, changes)
+    tier_limit = tier_limit_of(conn, item.tier)
+    if record is None and _item_record(item) == _item_record(UserItem(user, None, None)):
         return ConfigChange(limit_view(user=user, record=None, tier=None, state=state), None)
     return _set_user(
         conn,
@@ -463,6 +452,19 @@ def patch_limit(
         item=item,
         record=record,
         tier_limit=tier_limit,
+    )
+
+
+def patched_item(record: UserRecord | None, user: str, changes: dict[str, Any]) -> UserItem:
+    """The record a merge patch of `changes` makes of `record` (None: not configured)."""
+    current = _user_record(record) or _item_record(UserItem(user, None, None))
+    merged = {**current, **changes}
+    return UserItem(
+        user,
+        merged["output_tokens_per_second"],
+        merged["tier"],
+        merged["scope"],
+        merged["enforcement"],
     )
 
 
@@ -535,29 +537,61 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[Non
     return ConfigChange(None, version)
 
 
-@service("write_batch")
-def bulk_put_limits(
-    conn: Connection, *, actor: str, items: Sequence[UserItem]
-) -> ConfigChange[BulkOut]:
-    """Apply up to MAX_BULK_ITEMS user records as one version."""
+@dataclass(frozen=True)
+class BulkInput:
+    """The records of a bulk write, as a JSON body (`lines` None) or a CSV body gave them:
+    `lines` then holds each item's line and `problems` the lines that were not items."""
+
+    items: Sequence[UserItem]
+    lines: Sequence[int] | None = None
+    problems: Sequence[LineProblem] = ()
+
+
+def check_bulk(bulk: BulkInput, known_tiers: Container[str]) -> None:
+    """Refuse a bulk write over MAX_BULK_ITEMS, naming a user twice or an unknown tier:
+    a JSON body by its first bad item (`items.3.tier`), a CSV body by all its bad lines."""
+    items, lines = bulk.items, bulk.lines
     if len(items) > MAX_BULK_ITEMS:
         raise InvalidInput(f"items: at most {MAX_BULK_ITEMS} per request", field="items")
-    users = [item.user for item in items]
+
+    def where(index: int) -> str:
+        return f"items.{index}" if lines is None else f"line {lines[index]}"
+
+    problems: list[tuple[int, str, str]] = []
     first_index: dict[str, int] = {}
-    for index, user in enumerate(users):
-        if user in first_index:
-            raise InvalidInput(
-                f"items.{index}.user: user {user!r} already appears at items.{first_index[user]}",
-                field=f"items.{index}.user",
-            )
-        first_index[user] = index
-    state = repo.lock_config(conn)
-    known_tiers = repo.tier_limits(conn)
+    for index, item in enumerate(items):
+        if item.user in first_index:
+            seen = where(first_index[item.user])
+            problems.append((index, "user", f"user {item.user!r} already appears at {seen}"))
+        else:
+            first_index[item.user] = index
     for index, item in enumerate(items):
         if item.tier is not None and item.tier not in known_tiers:
-            raise InvalidInput(
-                f"items.{index}.tier: unknown tier {item.tier!r}", field=f"items.{index}.tier"
-            )
+            problems.append((index, "tier", f"unknown tier {item.tier!r}"))
+    if lines is None:
+        if problems:
+            index, field, reason = problems[0]
+            raise InvalidInput(f"items.{index}.{field}: {reason}", field=f"items.{index}.{field}")
+        return
+    found = [LineProblem(lines[i], field, reason) for i, field, reason in problems]
+    if found or bulk.problems:
+        raise InvalidLines([*bulk.problems, *found])
+
+
+@service("write_batch")
+def bulk_put_limits(
+    conn: Connection,
+    *,
+    actor: str,
+    items: Sequence[UserItem],
+    lines: Sequence[int] | None = None,
+    problems: Sequence[LineProblem] = (),
+) -> ConfigChange[BulkOut]:
+    """Apply up to MAX_BULK_ITEMS user records as one version (`lines` and `problems`:
+    see BulkInput)."""
+    state = repo.lock_config(conn)
+    check_bulk(BulkInput(items, lines, problems), repo.tier_limits(conn))
+    users = [item.user for item in items]
     existing = repo.get_users(conn, users)
     changed = [i for i in items if _user_record(existing.get(i.user)) != _item_record(i)]
     if not changed:
@@ -621,14 +655,8 @@ def patch_tier(
     description of null is
     empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
     state = repo.lock_config(conn)
-    tier = repo.get_tier(conn, name)
-    if tier is None:
-        raise NotFound(f"tier {name!r} does not exist", field="name")
-    limit = TierLimit(
-        changes.get("output_tokens_per_second", tier.rate),
-        changes.get("scope", tier.scope),
-        changes.get("enforcement", tier.enforcement),
-    )
+    tier = existing_tier(conn, name)
+    limit = patched_tier_limit(tier, changes)
     description = changes.get("description", tier.description)
     return _set_tier(
         conn,
@@ -639,6 +667,22 @@ def patch_tier(
         tier=tier,
         limit=limit,
         description=description if description is not None else "",
+    )
+
+
+def existing_tier(conn: Connection, name: str) -> repo.TierRow:
+    tier = repo.get_tier(conn, name)
+    if tier is None:
+        raise NotFound(f"tier {name!r} does not exist", field="name")
+    return tier
+
+
+def patched_tier_limit(tier: repo.TierRow, changes: dict[str, Any]) -> TierLimit:
+    """The limit a merge patch of `changes` gives `tier`."""
+    return TierLimit(
+        changes.get("output_tokens_per_second", tier.rate),
+        changes.get("scope", tier.scope),
+        changes.get("enforcement", tier.enforcement),
     )
 
 
@@ -692,15 +736,19 @@ def _set_tier(
     return ConfigChange(tier_view(new_tier._replace(version=version)), version)
 
 
-@service("write")
-def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None]:
-    state = repo.lock_config(conn)
-    tier = repo.get_tier(conn, name)
-    if tier is None:
-        raise NotFound(f"tier {name!r} does not exist", field="name")
+def deletable_tier(conn: Connection, name: str) -> repo.TierRow:
+    """The tier `name`; unknown: 404; with users assigned: 409."""
+    tier = existing_tier(conn, name)
     # The EXISTS (one index probe) guards against the counter ever drifting.
     if tier.num_users or repo.tier_has_users(conn, name):
         raise Conflict(f"tier {name!r} still has {tier.num_users} users assigned", field="name")
+    return tier
+
+
+@service("write")
+def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None]:
+    state = repo.lock_config(conn)
+    tier = deletable_tier(conn, name)
     version = _record(
         conn,
         state,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sqlalchemy import Connection, delete, func, select
+from sqlalchemy import Connection, String, cast, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from control_plane.db import one_of
 from control_plane.models import UsageMinute, table
 
 usage_minutes = table(UsageMinute)
@@ -103,3 +104,37 @@ def fleet_minutes(conn: Connection, *, since: int, until: int) -> list[tuple[int
         .order_by(usage_minutes.c.minute)
     )
     return [(int(m), int(t), float(s)) for m, t, s in conn.execute(query)]
+
+
+class MinuteTokens(NamedTuple):
+    """A user's minutes in a range: the most tokens of one, and all of them joined by the
+    database (`values()` reads them; most previews only need the peak)."""
+
+    peak: int
+    joined: str
+
+    def values(self) -> list[int]:
+        return [int(t) for t in self.joined.split(",")]
+
+
+def minute_tokens(
+    conn: Connection, *, since: int, until: int, users: Sequence[str] | None
+) -> dict[str, MinuteTokens]:
+    """user -> its minutes with since <= minute < until that have tokens (of these users,
+    in one statement; None: every user), summed over engines as stored.
+
+    One row per user, its minutes joined into one string by the database: an hour of
+    5,000 users is 300,000 minutes, and fetching them as rows cost five times more."""
+    joined = func.aggregate_strings(cast(usage_minutes.c.tokens, String), ",")
+    query = (
+        select(usage_minutes.c.user, func.max(usage_minutes.c.tokens), joined)
+        .where(
+            usage_minutes.c.minute >= since,
+            usage_minutes.c.minute < until,
+            usage_minutes.c.tokens > 0,
+        )
+        .group_by(usage_minutes.c.user)
+    )
+    if users is not None:
+        query = query.where(one_of(conn, usage_minutes.c.user, list(users)))
+    return {user: MinuteTokens(peak, tokens) for user, peak, tokens in conn.execute(query)}

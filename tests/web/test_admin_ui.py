@@ -404,18 +404,25 @@ def test_users_search_filter_sort_and_pages(admin: Page, served: ControlPlane) -
     admin.get_by_role("link", name="Open user user-00001").count()
 
 
-def test_bulk_import_previews_what_it_replaces(admin: Page, served: ControlPlane) -> None:
-    admin.goto(f"{served.url}/ui/#/users")
-    admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nbulk-bad,,fast")
-    admin.get_by_role("button", name="Preview and import").click()
-    expect(admin.locator("#bulk-form .field-error")).to_contain_text("Line 3: override “fast”")
-    admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12")
-    admin.get_by_role("button", name="Preview and import").click()
-    dialog = admin.locator("#confirm")
-    expect(dialog).to_contain_text("1 existing users: their records are replaced.")
-    expect(dialog).to_contain_text("1 new users are created.")
-    dialog.get_by_role("button", name="Import 2 users").click()
-    toast(admin).to_contain_text("Imported: 2 users changed")
+def test_bulk_import_previews_what_it_replaces(browser: Browser, served: ControlPlane) -> None:
+    with watched_page(browser, refusals=(422,)) as watched:  # the bad line's 422
+        admin = watched.page
+        sign_in(admin, served, view="users")
+        admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nbulk-bad,,fast")
+        admin.get_by_role("button", name="Preview and import").click()
+        expect(admin.locator("#bulk-form .field-error")).to_contain_text(
+            "Line 3: Rate: 'fast' is not a whole number"
+        )
+        admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12")
+        admin.get_by_role("button", name="Preview and import").click()
+        dialog = admin.locator("#confirm")
+        expect(dialog).to_contain_text("1 existing users: their records are replaced.")
+        expect(dialog.locator("#preview-counts")).to_have_text(
+            "1 user held to a lower rate, 1 to a higher one, 0 unchanged, 1 new."
+        )
+        expect(dialog.locator("#preview-cuts")).to_contain_text("user-00003: 100 tok/s → 10 tok/s")
+        dialog.get_by_role("button", name="Import 2 users").click()
+        toast(admin).to_contain_text("Imported: 2 users changed")
     assert limit(served, "bulk-new")["output_tokens_per_second"] == 12
     assert limit(served, "user-00003")["tier"] == "free"
 

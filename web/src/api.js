@@ -16,6 +16,13 @@ export class ApiError extends Error {
   }
 }
 
+// "line 3: tier: unknown tier 'x'" -> "Line 3: Tier: unknown tier 'x'" (a CSV body's errors).
+function lineMessage(error) {
+  const reason = error.msg.replace(/^line \d+: [^:]+: /, "");
+  const what = error.field === "items" ? "" : `${FIELD_WORDS[error.field] || error.field}: `;
+  return `Line ${error.line}: ${what}${reason}`;
+}
+
 const FIELD_WORDS = {
   output_tokens_per_second: "Rate",
   tier: "Tier",
@@ -47,6 +54,11 @@ export function plainMessage(status, data, retryAfterS = null) {
     );
   const errors = data?.errors || [];
   const first = errors[0];
+  // Every bad line of a text body, one per line of the message.
+  if (first?.line) {
+    const more = detail.match(/; and ([0-9]+) more errors$/);
+    return [...errors.map(lineMessage), ...(more ? [`and ${more[1]} more`] : [])].join("\n");
+  }
   if (first) {
     const what = FIELD_WORDS[first.field] || first.field;
     if (first.field === "output_tokens_per_second" || /rate/.test(first.field)) {
@@ -74,7 +86,8 @@ export async function api(method, path, body, { contentType = "application/json"
     response = await fetch(path, {
       method,
       headers,
-      body: body === undefined ? undefined : JSON.stringify(body),
+      // A JSON body is encoded here; any other (text/csv) is sent as given.
+      body: body === undefined || !/json/.test(contentType) ? body : JSON.stringify(body),
     });
   } catch (_) {
     throw new ApiError(0, "The control plane could not be reached. Is it running?");

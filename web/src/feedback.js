@@ -67,8 +67,13 @@ export class FieldError extends Error {
 }
 
 // A modal that states what will happen; resolves true only on the confirm button.
+// A line is text or a node (a list of the users a change affects: web/src/preview.js).
 export function confirmEffect(title, lines, confirmLabel) {
   const dialog = document.getElementById("confirm");
+  dialog.classList.toggle(
+    "wide",
+    lines.some((l) => l instanceof Node),
+  );
   document.getElementById("confirm-title").textContent = title;
   document.getElementById("confirm-lines").replaceChildren(...lines.map((l) => h("li", {}, l)));
   const ok = document.getElementById("confirm-ok");

@@ -1,9 +1,11 @@
 // Tiers and the default limit. Edits are merge patches of the fields that changed;
-// changes that affect many users or remove a limit are confirmed with their effect.
+// changes that affect many users, remove a limit or hold anyone to a lower rate are
+// confirmed with their effect, as the server previews it (?dry_run=true).
 
 import { api, mergePatch, tierPath } from "../api.js";
 import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
 import { confirmEffect, FieldError, handleSubmit, toast } from "../feedback.js";
+import { impactLines } from "../preview.js";
 import { rateField } from "../rate-field.js";
 import { enforcementField, enforcementWords, scopeField, scopeWords } from "../scope-field.js";
 import { canWrite } from "../session.js";
@@ -103,18 +105,33 @@ export async function render(main) {
       if (newEnforcement !== tier.enforcement) changes.enforcement = newEnforcement;
       if (description.value !== tier.description) changes.description = description.value;
       if (!Object.keys(changes).length) return `Tier ${tier.name}: nothing changed.`;
+      const limitChanged = "output_tokens_per_second" in changes || "enforcement" in changes;
+      // Whom it holds back, from the server (the same check as the write, nothing written).
+      const preview =
+        limitChanged && tier.num_users
+          ? await mergePatch(`${tierPath(tier.name)}?dry_run=true`, changes)
+          : null;
       if (
-        "output_tokens_per_second" in changes &&
-        (newRate === null || tier.num_users >= MANY_USERS)
+        preview?.num_down ||
+        ("output_tokens_per_second" in changes &&
+          (newRate === null || tier.num_users >= MANY_USERS))
       ) {
-        const lines = [effectLine(tier.num_users, tier.output_tokens_per_second, newRate)];
+        const lines = [];
+        if ("output_tokens_per_second" in changes)
+          lines.push(effectLine(tier.num_users, tier.output_tokens_per_second, newRate));
         if (tier.num_users) lines.push("Users with their own override keep it.");
+        if (preview) {
+          const dflt = await api("GET", "/default-limit");
+          lines.push(...impactLines(preview, { before: dflt, after: dflt }));
+        }
         const ok = await confirmEffect(
           `Change the rate of tier ${tier.name}?`,
           lines,
-          newRate === null
-            ? `Make ${tier.name} unlimited`
-            : `Set ${tier.name} to ${fmtInt(newRate)} tok/s`,
+          !("output_tokens_per_second" in changes)
+            ? `Set the enforcement of ${tier.name} to ${enforcementWords(newEnforcement)}`
+            : newRate === null
+              ? `Make ${tier.name} unlimited`
+              : `Set ${tier.name} to ${fmtInt(newRate)} tok/s`,
         );
         if (!ok) return "Not changed.";
       }
@@ -254,6 +271,19 @@ export async function render(main) {
           `Every user without an enforcement of its own or its tier's: ${enforcementLine}`,
         );
       lines.push("This includes users nobody has configured yet.");
+      const after = {
+        output_tokens_per_second: value,
+        scope: newScope,
+        enforcement: newEnforcement,
+      };
+      // The configured users it changes and those seen in the last hour without a record.
+      const preview = await api("PUT", "/default-limit?dry_run=true", after);
+      lines.push(
+        ...impactLines(preview, {
+          before: { output_tokens_per_second: current, enforcement: currentEnforcement },
+          after,
+        }),
+      );
       const ok = await confirmEffect(
         "Change the default limit?",
         lines,
@@ -267,11 +297,7 @@ export async function render(main) {
       );
       if (!ok) return "Not changed.";
       // A PUT replaces all three: the enforcement is sent even when unchanged.
-      await api("PUT", "/default-limit", {
-        output_tokens_per_second: value,
-        scope: newScope,
-        enforcement: newEnforcement,
-      });
+      await api("PUT", "/default-limit", after);
       await refresh(true);
       const said = [];
       if (value !== current) said.push(`${fmtRateUnit(current)} → ${fmtRateUnit(value)}`);

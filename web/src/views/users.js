@@ -1,10 +1,11 @@
 // Users: substring search, tier filter, sorting, pages; each row opens the user's page.
-// Opening an id nobody configured asks before it is created; bulk import previews first.
+// Opening an id nobody configured asks before it is created; a bulk import is previewed by
+// the server (one POST ?dry_run=true with the CSV as written) and confirmed first.
 
 import { api, userPath } from "../api.js";
 import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
 import { confirmEffect, FieldError, handleSubmit } from "../feedback.js";
-import { parseRate } from "../rate-field.js";
+import { impactLines } from "../preview.js";
 import { link, replaceParams } from "../router.js";
 import { canWrite } from "../session.js";
 
@@ -18,8 +19,6 @@ const SORTS = {
   "-override": "Override high→low",
   override: "Override low→high",
 };
-
-const SCOPES = ["fleet", "engine"];
 
 // Whether `user` is configured (has a row): the first id at or after it, by prefix.
 export async function isConfigured(user) {
@@ -159,7 +158,7 @@ export async function render(main, route) {
       id: "bulk-text",
       rows: 5,
       "data-field": "items",
-      placeholder: "alice,pro,\nbob,,50,engine",
+      placeholder: 'user,tier,override,scope,enforcement\nalice,pro\n"bob, inc",,50,engine,shadow',
     });
     const form = h(
       "form",
@@ -167,48 +166,42 @@ export async function render(main, route) {
       h(
         "p",
         { class: "hint" },
-        "One user per line: user id, tier, override tok/s, scope (fleet or engine). " +
-          "Each line replaces that user's record: an empty tier, override or scope clears it " +
-          "(no scope: the tier's or the default's).",
+        "One user per line, 5 columns: user id, tier, override tok/s, scope (fleet or " +
+          "engine), enforcement (enforce or shadow). Each line replaces that user's record: " +
+          "an empty column clears it (no scope or enforcement: the tier's or the default's). " +
+          'Quote a field that holds a comma ("acme, inc"); an optional first line of ' +
+          "column names is skipped. The server checks every line and shows whom the " +
+          "import holds back before anything is written.",
       ),
       h("div", { class: "field" }, h("label", { for: "bulk-text" }, "Lines (CSV)"), text),
       h("button", { type: "submit" }, "Preview and import"),
     );
+    const csv = { contentType: "text/csv" };
     handleSubmit(form, async () => {
-      const items = [];
-      const lines = text.value
-        .split(/\r?\n/)
-        .map((l) => l.trim())
-        .filter(Boolean);
-      lines.forEach((line, i) => {
-        const [user = "", tier = "", rate = "", scope = ""] = line.split(",").map((x) => x.trim());
-        if (!user) throw new FieldError("items", `Line ${i + 1}: no user id.`);
-        const r = rate === "" ? null : parseRate(rate);
-        if (rate !== "" && r === null)
-          throw new FieldError(
-            "items",
-            `Line ${i + 1}: override “${rate}” is not a whole number from 1 to 1,000,000.`,
-          );
-        if (scope !== "" && !SCOPES.includes(scope))
-          throw new FieldError(
-            "items",
-            `Line ${i + 1}: scope “${scope}” is not “fleet” or “engine” (or empty: inherit).`,
-          );
-        items.push({ user, tier: tier || null, output_tokens_per_second: r, scope: scope || null });
-      });
-      if (!items.length) throw new FieldError("items", "Lines: enter at least one line.");
-      const known = await Promise.all(items.map((i) => isConfigured(i.user)));
-      const fresh = known.filter((k) => !k).length;
+      const body = text.value;
+      if (!body.trim()) throw new FieldError("items", "Lines: enter at least one line.");
+      let preview;
+      let dflt;
+      try {
+        [preview, dflt] = await Promise.all([
+          api("POST", "/limits:bulk?dry_run=true", body, csv),
+          api("GET", "/default-limit"),
+        ]);
+      } catch (error) {
+        // Bad lines, each with its line number, stay in the form: nothing was written.
+        throw new FieldError("items", error.message);
+      }
+      const n = preview.num_users;
       const ok = await confirmEffect(
-        `Import ${plural(items.length, "user")}?`,
+        `Import ${plural(n, "user")}?`,
         [
-          `${fmtInt(items.length - fresh)} existing users: their records are replaced.`,
-          `${fmtInt(fresh)} new users are created.`,
+          `${fmtInt(n - preview.num_created)} existing users: their records are replaced.`,
+          ...impactLines(preview, { before: dflt, after: dflt }),
         ],
-        `Import ${plural(items.length, "user")}`,
+        `Import ${plural(n, "user")}`,
       );
       if (!ok) return "Not imported.";
-      const result = await api("POST", "/limits:bulk", { items });
+      const result = await api("POST", "/limits:bulk", body, csv);
       text.value = "";
       await refresh();
       return `Imported: ${plural(result.num_changed, "user")} changed (version ${result.version}).`;

@@ -1,0 +1,409 @@
+"""The real impact of a limit write, computed without writing it (?dry_run=true).
+
+Each preview validates its input with the same rules as the write (the service's checks,
+raising the same errors), reads what the write would change in a few bulk statements
+(the config state, the tiers, the records concerned, one read of the last hour of usage
+history) and compares every concerned user before and after:
+
+- by the *held* rate: the effective rate where the effective enforcement is "enforce",
+  unlimited under "shadow" (a shadow limit holds nobody back), so a shadow -> enforce
+  flip is a cut and enforce -> shadow a raise;
+- against the last hour of usage_minutes: a minute's rate is its tokens (summed over
+  engines) / 60, "over" when it exceeds the new held rate. For an engine-scoped limit the
+  stored history is still the fleet's sum while each engine enforces the full rate, so
+  its over-limit figures are an upper bound (docs/control-plane.md, "Previewing a
+  change").
+
+Nothing here writes: no version, no audit entry, no change-log row (so no delta).
+A preview is a plain dict of the ChangePreview shape (control_plane/limits/schemas.py,
+which documents it): every value is computed here, and building and validating 10,000
+pydantic items cost more than the whole computation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from control_plane.db import service
+from control_plane.limits import repository as repo
+from control_plane.limits import service as limits
+from control_plane.limits.repository import TierLimit, UserRecord
+from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
+from control_plane.limits.service import BulkInput, UserItem
+from control_plane.usage import repository as usage
+from control_plane.usage.repository import MinuteTokens
+from output_rate_core.limits import (
+    ENFORCE,
+    Enforcement,
+    Scope,
+    effective_enforcement,
+    effective_rate,
+    effective_scope,
+)
+
+# A ChangePreview as JSON-ready values (the route encodes it as is).
+Preview = dict[str, Any]
+HOUR_S = 3600
+MINUTE_S = 60
+
+
+@dataclass(frozen=True)
+class Default:
+    rate: int | None
+    scope: Scope | None
+    enforcement: Enforcement | None
+
+
+@dataclass(frozen=True)
+class World:
+    """What records resolve against: the tiers and the default."""
+
+    tiers: Mapping[str, TierLimit]
+    default: Default
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A user the change may concern: its record before and after (None: no record);
+    `listed`: shown even when nothing changes for it (the write names it)."""
+
+    user: str
+    before: UserRecord | None
+    after: UserRecord | None
+    listed: bool
+
+
+def _resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
+    """(effective rate, scope, enforcement) of a record (None: the default's)."""
+    tier_name = record.tier if record else None
+    tier = world.tiers.get(tier_name) if tier_name else None
+    tier_rate, tier_scope, tier_mode = tier if tier is not None else (None, None, None)
+    d = world.default
+    rate, _ = effective_rate(record.rate if record else None, tier_name, tier_rate, d.rate)
+    scope = effective_scope(record.scope if record else None, tier_name, tier_scope, d.scope)
+    mode = effective_enforcement(
+        record.enforcement if record else None, tier_name, tier_mode, d.enforcement
+    )
+    return rate, scope, mode
+
+
+def _held(resolved: tuple[int | None, Scope, Enforcement]) -> int | None:
+    """The rate the user is held to (None: unlimited; shadow holds nobody)."""
+    rate, _, mode = resolved
+    return rate if mode == ENFORCE else None
+
+
+def _state(
+    record: UserRecord | None, resolved: tuple[int | None, Scope, Enforcement]
+) -> dict[str, Any] | None:
+    """An ItemState."""
+    if record is None:
+        return None
+    rate, scope, mode = resolved
+    return {
+        "tier": record.tier,
+        "output_tokens_per_second": record.rate,
+        "effective_output_tokens_per_second": rate,
+        "effective_scope": scope,
+        "effective_enforcement": mode,
+    }
+
+
+def _last_hour(minutes: MinuteTokens | None, held: int | None) -> dict[str, Any] | None:
+    """A LastHour."""
+    if minutes is None:
+        return None
+    # Integer comparison (tokens > rate * 60): exact, no float rounding at the edge. The
+    # minutes are read only when the peak is over.
+    over = (
+        []
+        if held is None or minutes.peak <= held * MINUTE_S
+        else [t for t in minutes.values() if t > held * MINUTE_S]
+    )
+    return {
+        "peak_output_tokens_per_second": minutes.peak / MINUTE_S,
+        "num_minutes_over_new_limit": len(over),
+        "max_over_new_limit_output_tokens_per_second": (
+            max(over) / MINUTE_S - held if over and held is not None else 0.0
+        ),
+    }
+
+
+def _order(before: int | None, after: int | None) -> Change:
+    if before == after:
+        return "same"
+    if after is None:
+        return "up"
+    if before is None:
+        return "down"
+    return "down" if after < before else "up"
+
+
+def _cut_key(before: int | None, after: int | None) -> float:
+    """The share of the old held rate that remains (smaller: a larger relative cut);
+    unlimited -> a limit remains nothing."""
+    return 0.0 if before is None or after is None else after / before
+
+
+def build(
+    *,
+    version: int,
+    candidates: Iterable[Candidate],
+    before: World,
+    after: World,
+    history: Mapping[str, MinuteTokens],
+    items_limit: int,
+) -> Preview:
+    downs: list[tuple[float, str, dict[str, Any]]] = []
+    ups: list[dict[str, Any]] = []
+    sames: list[dict[str, Any]] = []
+    num_created = num_dropped = num_over = 0
+    # Records resolve by their values alone: thousands of users share a few of them.
+    resolved: dict[tuple[bool, Any], tuple[int | None, Scope, Enforcement]] = {}
+
+    def resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
+        key = (world is after, record and record._replace(version=0))
+        found = resolved.get(key)
+        if found is None:
+            found = resolved[key] = _resolve(record, world)
+        return found
+
+    for c in candidates:
+        old = resolve(c.before, before)
+        new = resolve(c.after, after)
+        if not c.listed and old == new:
+            continue
+        old_held, new_held = _held(old), _held(new)
+        change = _order(old_held, new_held)
+        created = c.before is None and c.after is not None
+        dropped = (
+            c.before is not None
+            and c.before.rate is not None
+            and (c.after is None or c.after.rate is None)
+        )
+        last_hour = _last_hour(history.get(c.user), new_held)
+        item = {
+            "user": c.user,
+            "change": change,
+            "created": created,
+            "override_dropped": dropped,
+            "before": _state(c.before, old),
+            "after": _state(c.after, new),
+            "last_hour": last_hour,
+        }
+        num_created += created
+        num_dropped += dropped
+        if change == "down":
+            num_over += bool(last_hour and last_hour["num_minutes_over_new_limit"])
+            downs.append((_cut_key(old_held, new_held), c.user, item))
+        else:
+            (ups if change == "up" else sames).append(item)
+    downs.sort(key=lambda d: (d[0], d[1]))
+    ups.sort(key=lambda i: str(i["user"]))
+    sames.sort(key=lambda i: str(i["user"]))
+    items = [d[2] for d in downs] + ups + sames
+    return {
+        "dry_run": True,
+        "version": version,
+        "num_users": len(items),
+        "num_down": len(downs),
+        "num_up": len(ups),
+        "num_same": len(sames),
+        "num_created": num_created,
+        "num_overrides_dropped": num_dropped,
+        "num_over_new_limit": num_over,
+        "items": items[:items_limit],
+        "items_truncated": len(items) > items_limit,
+    }
+
+
+# ---- what each write would do ----------------------------------------------
+
+
+def _world(conn: Connection) -> tuple[int, World]:
+    state = repo.get_config(conn)
+    default = Default(state.default_rate, state.default_scope, state.default_enforcement)
+    return state.version, World(repo.tier_limits(conn), default)
+
+
+def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:
+    """The last hour of usage: every minute that overlaps it (the current one included),
+    of `users` (None: everyone)."""
+    now = int(time.time())
+    since = (now - HOUR_S) // MINUTE_S * MINUTE_S
+    return usage.minute_tokens(conn, since=since, until=now + MINUTE_S, users=users)
+
+
+def _record(item: UserItem, version: int) -> UserRecord:
+    return UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
+
+
+def _users_preview(
+    conn: Connection,
+    version: int,
+    world: World,
+    pairs: Sequence[tuple[str, UserRecord | None, UserRecord | None]],
+    items_limit: int,
+) -> Preview:
+    """Users named by the write, each with its record before and after."""
+    users = [user for user, _, _ in pairs]
+    history = _history(conn, users if len(users) <= MAX_BULK_ITEMS else None)
+    candidates = [Candidate(u, b, a, listed=True) for u, b, a in pairs]
+    return build(
+        version=version,
+        candidates=candidates,
+        before=world,
+        after=world,
+        history=history,
+        items_limit=items_limit,
+    )
+
+
+@service("read")
+def put_limit(
+    conn: Connection,
+    *,
+    user: str,
+    rate: int | None,
+    tier: str | None,
+    scope: Scope | None,
+    enforcement: Enforcement | None,
+    items_limit: int,
+) -> Preview:
+    version, world = _world(conn)
+    limits.tier_limit_of(conn, tier)
+    record = repo.get_user(conn, user)
+    after = _record(UserItem(user, rate, tier, scope, enforcement), version)
+    return _users_preview(conn, version, world, [(user, record, after)], items_limit)
+
+
+@service("read")
+def patch_limit(
+    conn: Connection, *, user: str, changes: dict[str, Any], items_limit: int
+) -> Preview:
+    version, world = _world(conn)
+    record = repo.get_user(conn, user)
+    item = limits.patched_item(record, user, changes)
+    limits.tier_limit_of(conn, item.tier)
+    # A patch that sets nothing on an unconfigured user creates no record (as the write).
+    unchanged = record is None and item == UserItem(user, None, None)
+    after = None if unchanged else _record(item, version)
+    return _users_preview(conn, version, world, [(user, record, after)], items_limit)
+
+
+@service("read")
+def delete_limit(conn: Connection, *, user: str, items_limit: int) -> Preview:
+    version, world = _world(conn)
+    record = repo.get_user(conn, user)
+    return _users_preview(conn, version, world, [(user, record, None)], items_limit)
+
+
+@service("scan")
+def bulk_put_limits(
+    conn: Connection,
+    *,
+    items: Sequence[UserItem],
+    lines: Sequence[int] | None = None,
+    problems: Sequence[Any] = (),
+    items_limit: int,
+) -> Preview:
+    version, world = _world(conn)
+    limits.check_bulk(BulkInput(items, lines, problems), world.tiers)
+    records = repo.records_of(conn, [i.user for i in items])
+    pairs = [(i.user, records.get(i.user), _record(i, version)) for i in items]
+    return _users_preview(conn, version, world, pairs, items_limit)
+
+
+def _tier_preview(
+    conn: Connection,
+    *,
+    name: str,
+    tier: repo.TierRow | None,
+    limit: TierLimit,
+    items_limit: int,
+) -> Preview:
+    """The users of tier `name` (now `tier`, None: new) whose values change with `limit`."""
+    version, world = _world(conn)
+    after = World({**world.tiers, name: limit}, world.default)
+    records = repo.user_records(conn, tier=name) if tier and tier.num_users else {}
+    users = list(records)
+    history = _history(conn, users if len(users) <= MAX_BULK_ITEMS else None) if users else {}
+    return build(
+        version=version,
+        candidates=[Candidate(u, r, r, listed=False) for u, r in records.items()],
+        before=world,
+        after=after,
+        history=history,
+        items_limit=items_limit,
+    )
+
+
+@service("scan")
+def put_tier(
+    conn: Connection,
+    *,
+    name: str,
+    rate: int | None,
+    scope: Scope | None,
+    enforcement: Enforcement | None,
+    items_limit: int,
+) -> Preview:
+    limit = TierLimit(rate, scope, enforcement)
+    tier = repo.get_tier(conn, name)
+    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
+
+
+@service("scan")
+def patch_tier(
+    conn: Connection, *, name: str, changes: dict[str, Any], items_limit: int
+) -> Preview:
+    tier = limits.existing_tier(conn, name)
+    limit = limits.patched_tier_limit(tier, changes)
+    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
+
+
+@service("read")
+def delete_tier(conn: Connection, *, name: str, items_limit: int) -> Preview:
+    version, world = _world(conn)
+    limits.deletable_tier(conn, name)
+    # A tier is deleted only without users: nobody's limit changes.
+    return build(
+        version=version,
+        candidates=(),
+        before=world,
+        after=world,
+        history={},
+        items_limit=items_limit,
+    )
+
+
+@service("scan")
+def put_default(
+    conn: Connection,
+    *,
+    rate: int | None,
+    scope: Scope | None,
+    enforcement: Enforcement | None,
+    items_limit: int,
+) -> Preview:
+    """Every configured user whose effective values change, and the users seen in the
+    last hour with no record (they follow the default)."""
+    version, world = _world(conn)
+    after = World(world.tiers, Default(rate, scope, enforcement))
+    records = repo.user_records(conn)
+    history = _history(conn, None)
+    candidates = [Candidate(u, r, r, listed=False) for u, r in records.items()]
+    candidates += [Candidate(u, None, None, listed=False) for u in history if u not in records]
+    return build(
+        version=version,
+        candidates=candidates,
+        before=world,
+        after=after,
+        history=history,
+        items_limit=items_limit,
+    )
