@@ -54,7 +54,7 @@ async def stream_completion(
     max_tokens: int,
     prompt: str = "Once upon a time",
     stop_after_tokens: int | None = None,
-    stop: asyncio.Event | threading.Event | None = None,
+    cancel: asyncio.Event | threading.Event | None = None,
     **extra: Any,
 ) -> StreamResult:
     body: dict[str, Any] = {
@@ -86,7 +86,7 @@ async def stream_completion(
             result.completion_tokens = num_tokens
             if stop_after_tokens is not None and num_tokens >= stop_after_tokens:
                 break  # client cancels mid-stream: closing the response aborts it
-            if stop is not None and stop.is_set():
+            if cancel is not None and cancel.is_set():
                 break  # likewise, once the caller has seen enough (checked per chunk)
     result.finished = time.monotonic()
     return result

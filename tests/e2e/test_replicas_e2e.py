@@ -286,7 +286,7 @@ class Traffic:
                 while not self.stop.is_set():
                     done.append(
                         await stream_completion(
-                            client, self.url, user=FAST, max_tokens=60, stop=self.stop
+                            client, self.url, user=FAST, max_tokens=60, cancel=self.stop
                         )
                     )
                     await asyncio.sleep(0.5)
@@ -297,7 +297,11 @@ class Traffic:
                 await asyncio.gather(
                     *(
                         stream_completion(
-                            client, self.url, user=SLOW, max_tokens=SLOW_MAX_TOKENS, stop=self.stop
+                            client,
+                            self.url,
+                            user=SLOW,
+                            max_tokens=SLOW_MAX_TOKENS,
+                            cancel=self.stop,
                         )
                         for _ in range(SLOW_STREAMS)
                     )
