@@ -233,7 +233,9 @@ def _world(conn: Connection) -> tuple[int, World]:
 
 def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:
     """The last hour of usage: every minute that overlaps it (the current one included),
-    of `users` (None: everyone)."""
+    of `users` (None, or more than a bulk's worth: everyone, read without a user list)."""
+    if users is not None and len(users) > MAX_BULK_ITEMS:
+        users = None
     now = int(time.time())
     since = (now - HOUR_S) // MINUTE_S * MINUTE_S
     return usage.minute_tokens(conn, since=since, until=now + MINUTE_S, users=users)
@@ -252,7 +254,7 @@ def _users_preview(
 ) -> Preview:
     """Users named by the write, each with its record before and after."""
     users = [user for user, _, _ in pairs]
-    history = _history(conn, users if len(users) <= MAX_BULK_ITEMS else None)
+    history = _history(conn, users)
     candidates = [Candidate(u, b, a, listed=True) for u, b, a in pairs]
     return build(
         version=version,
@@ -332,7 +334,7 @@ def _tier_preview(
     after = World({**world.tiers, name: limit}, world.default)
     records = repo.user_records(conn, tier=name) if tier and tier.num_users else {}
     users = list(records)
-    history = _history(conn, users if len(users) <= MAX_BULK_ITEMS else None) if users else {}
+    history = _history(conn, users) if users else {}
     return build(
         version=version,
         candidates=[Candidate(u, r, r, listed=False) for u, r in records.items()],
