@@ -7,12 +7,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import zmq
 
 from harness.servers import free_port, wait_healthy
 from tests.control_plane.factories import ADMIN_TOKEN
@@ -44,6 +46,27 @@ class Served:
         found = re.search(rf"^{name}(?:_total)?{re.escape(labels)} (\S+)$", text, re.MULTILINE)
         assert found is not None, name
         return float(found.group(1))
+
+    def assert_bind_refused_elsewhere(self, hello: bytes) -> None:
+        """A peer sending `hello` (an encoded Hello of an id live on another replica)
+        gets nothing from this replica, and its refusal is counted exactly once."""
+        counter = "output_rate_push_binds_refused_elsewhere"
+        before = self.metric(counter)
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.zmq_endpoint)
+        try:
+            sock.send(hello)
+            deadline = time.monotonic() + 10
+            while self.metric(counter) < before + 1:
+                assert time.monotonic() < deadline, "the bind was not refused"
+                time.sleep(0.1)
+            assert sock.poll(500) == 0  # nothing was sent to it
+        finally:
+            sock.close()
+            context.term()
+        assert self.metric(counter) == before + 1
 
 
 @contextmanager
