@@ -20,6 +20,16 @@ PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 ADMIN_TOKEN = "admin-secret-token"
 
 
+class FakeClock:
+    """The control plane's injectable clock (seconds), moved by the test: a narrow seam."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @contextmanager
 def fresh_database(kind: str, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty database URL; PostgreSQL gets its own schema per test."""

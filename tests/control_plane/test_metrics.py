@@ -12,15 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from control_plane.engines.service import EngineSeen, record_engines
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
-from tests.control_plane.factories import make_client
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.control_plane.factories import FakeClock, make_client
 
 
 @pytest.fixture

@@ -18,15 +18,7 @@ from control_plane.replicas import lease
 from control_plane.replicas.live_usage import FleetUsage
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.control_plane.factories import FakeClock, fresh_database
 
 
 @pytest.fixture

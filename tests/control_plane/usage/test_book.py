@@ -12,14 +12,7 @@ from control_plane.usage.book import (
     UsageBook,
 )
 from output_rate_core import protocol as p
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.control_plane.factories import FakeClock
 
 
 def test_rates_are_summed_over_engines_and_windows_expire() -> None:

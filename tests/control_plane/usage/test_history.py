@@ -19,18 +19,10 @@ from control_plane.usage.history import (
     UsageRecorder,
 )
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
+from tests.control_plane.factories import FakeClock, fresh_database
 from tests.control_plane.served import serve
 
 T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def recorder(client: TestClient, clock: FakeClock, retention_days: int = 7) -> UsageRecorder:

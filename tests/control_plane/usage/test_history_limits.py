@@ -17,16 +17,9 @@ from sqlalchemy import create_engine, text
 from control_plane.cli import downgrade, upgrade
 from control_plane.usage.history import LIMITS_REFRESH_S, UsageRecorder
 from output_rate_core import protocol as p
+from tests.control_plane.factories import FakeClock
 
 MIGRATION = Path(__file__).parents[3] / "migrations/versions/0010_usage_limit_weight.py"
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def recorder(client: TestClient, clock: FakeClock) -> UsageRecorder:

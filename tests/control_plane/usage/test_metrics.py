@@ -10,14 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from control_plane.usage.book import UsageBook
 from control_plane.usage.metrics import UsageCollector
 from output_rate_core import protocol as p
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.control_plane.factories import FakeClock
 
 
 def per_user(registry: CollectorRegistry, name: str) -> dict[str, float]:
