@@ -150,6 +150,13 @@ def _cut_key(before: int | None, after: int | None) -> float:
     return 0.0 if before is None or after is None else after / before
 
 
+def _same_record(before: UserRecord | None, after: UserRecord | None) -> bool:
+    """The write leaves the stored record as it is (its version aside)."""
+    if before is None or after is None:
+        return before is after
+    return before._replace(version=0) == after._replace(version=0)
+
+
 def build(
     *,
     version: int,
@@ -162,7 +169,7 @@ def build(
     downs: list[tuple[float, str, dict[str, Any]]] = []
     ups: list[dict[str, Any]] = []
     sames: list[dict[str, Any]] = []
-    num_created = num_dropped = num_over = 0
+    num_created = num_dropped = num_over = num_kept = 0
     # Records resolve by their values alone: thousands of users share a few of them.
     resolved: dict[tuple[bool, Any], tuple[int | None, Scope, Enforcement]] = {}
 
@@ -198,6 +205,7 @@ def build(
         }
         num_created += created
         num_dropped += dropped
+        num_kept += _same_record(c.before, c.after)
         if change == "down":
             num_over += bool(last_hour and last_hour["num_minutes_over_new_limit"])
             downs.append((_cut_key(old_held, new_held), c.user, item))
@@ -216,6 +224,7 @@ def build(
         "num_same": len(sames),
         "num_created": num_created,
         "num_overrides_dropped": num_dropped,
+        "num_records_unchanged": num_kept,
         "num_over_new_limit": num_over,
         "items": items[:items_limit],
         "items_truncated": len(items) > items_limit,

@@ -213,6 +213,10 @@ class ChangePreview(BaseModel):
     num_same: int
     num_created: int
     num_overrides_dropped: int
+    num_records_unchanged: int = Field(
+        description="Listed users whose stored record (tier, override, scope, enforcement) "
+        "the write leaves as it is, such as a bulk line equal to it"
+    )
     num_over_new_limit: int = Field(
         description="Of the users whose held rate falls: those that used more than the new "
         "rate in some minute of the last hour"

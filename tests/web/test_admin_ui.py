@@ -413,15 +413,17 @@ def test_bulk_import_previews_what_it_replaces(browser: Browser, served: Control
         expect(admin.locator("#bulk-form .field-error")).to_contain_text(
             "Line 3: Rate: 'fast' is not a whole number"
         )
-        admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12")
+        # user-00004's line is its stored record (seeded in pro): not counted as replaced.
+        admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nuser-00004,pro")
         admin.get_by_role("button", name="Preview and import").click()
         dialog = admin.locator("#confirm")
-        expect(dialog).to_contain_text("1 existing users: their records are replaced.")
+        expect(dialog).to_contain_text("1 existing user: its record is replaced.")
+        expect(dialog).to_contain_text("1 line equal to the stored record: nothing changes.")
         expect(dialog.locator("#preview-counts")).to_have_text(
-            "1 user held to a lower rate, 1 to a higher one, 0 unchanged, 1 new."
+            "1 user held to a lower rate, 1 to a higher one, 1 unchanged, 1 new."
         )
         expect(dialog.locator("#preview-cuts")).to_contain_text("user-00003: 100 tok/s → 10 tok/s")
-        dialog.get_by_role("button", name="Import 2 users").click()
+        dialog.get_by_role("button", name="Import 3 users").click()
         toast(admin).to_contain_text("Imported: 2 users changed")
     assert limit(served, "bulk-new")["output_tokens_per_second"] == 12
     assert limit(served, "user-00003")["tier"] == "free"

@@ -167,6 +167,17 @@ def test_a_10000_line_import_previews_in_one_request_then_applies(
         served, "POST", f"{BULK}?dry_run=true", content=text, headers={"Content-Type": "text/csv"}
     ).json()
     assert expected["num_users"] == 10_000 and expected["num_created"] == 5000
+    # The seeded users already in free with no override: their lines change nothing.
+    pages = (
+        api(served, "GET", "/limits", params={"tier": "free", "limit": 1000, "offset": o}).json()
+        for o in range(0, 5000, 1000)
+    )
+    num_kept = sum(
+        item["output_tokens_per_second"] is None and item["user"].startswith("user-")
+        for page in pages
+        for item in page["items"]
+    )
+    assert 0 < num_kept == expected["num_records_unchanged"]
     at = version(served)
     shots = os.environ.get("OUTPUT_RATE_UI_SCREENSHOTS")
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
@@ -181,7 +192,12 @@ def test_a_10000_line_import_previews_in_one_request_then_applies(
             expect(dialog).to_be_visible()
             assert len(sent) == 1 and sent[0].endswith(f"{BULK}?dry_run=true"), sent
             expect(dialog).to_contain_text("Import 10,000 users?")
-            expect(dialog).to_contain_text("5,000 existing users: their records are replaced.")
+            expect(dialog).to_contain_text(
+                f"{5000 - num_kept:,} existing users: their records are replaced."
+            )
+            expect(dialog).to_contain_text(
+                f"{num_kept:,} lines equal to the stored record: nothing changes."
+            )
             expect(page.locator("#preview-counts")).to_have_text(
                 f"{expected['num_down']:,} users held to a lower rate, "
                 f"{expected['num_up']:,} to a higher one, {expected['num_same']:,} "

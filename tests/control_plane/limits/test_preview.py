@@ -89,6 +89,7 @@ def test_bulk_preview_lists_each_user_before_and_after_with_exact_counts(
     assert ChangePreview.model_validate(preview).model_dump(mode="json") == preview
     assert preview["dry_run"] is True and preview["version"] == at
     assert counts(preview) == (4, 2, 1, 1, 1, 1, 2)
+    assert preview["num_records_unchanged"] == 1  # b's line is its record
     # Cuts first, the largest relative one first (unlimited -> 20 before 1000 -> 20).
     assert [i["user"] for i in preview["items"]] == ["e", "a", "c", "b"]
     assert [i["change"] for i in preview["items"]] == ["down", "down", "up", "same"]

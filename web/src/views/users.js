@@ -192,12 +192,18 @@ export async function render(main, route) {
         throw new FieldError("items", error.message);
       }
       const n = preview.num_users;
+      const kept = preview.num_records_unchanged;
+      const replaced = n - preview.num_created - kept;
       const ok = await confirmEffect(
         `Import ${plural(n, "user")}?`,
         [
-          `${fmtInt(n - preview.num_created)} existing users: their records are replaced.`,
+          replaced
+            ? `${plural(replaced, "existing user")}: ` +
+              `${replaced === 1 ? "its record is" : "their records are"} replaced.`
+            : null,
+          kept ? `${plural(kept, "line")} equal to the stored record: nothing changes.` : null,
           ...impactLines(preview, { before: dflt, after: dflt }),
-        ],
+        ].filter(Boolean),
         `Import ${plural(n, "user")}`,
       );
       if (!ok) return "Not imported.";
