@@ -121,14 +121,20 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+def public_key_flag(public: str) -> str:
+    """The engine's flag for the server public key, ready to paste into a shell."""
+    # '=': a Z85 key may begin with '-', which argparse would take for another flag. Quoted:
+    # Z85 has shell metacharacters but no single quote.
+    return f"--control-plane-public-key='{public}'"
+
+
 def run(*, out_dir: Path | None, num_engines: int, force: bool = False) -> str:
     """Make the keys; write them under out_dir (mode 0600) or return them all as text.
 
     Existing key files are never overwritten unless ``force`` (KeysExist names them)."""
     server = KeyPair.new()
     engines = [KeyPair.new() for _ in range(num_engines)]
-    # Z85 has shell metacharacters but no single quote.
-    flag = f"--control-plane-public-key '{server.public}'"
+    flag = public_key_flag(server.public)
     if out_dir is None:
         lines = ["# control plane (environment or .env of `output-rate serve`)"]
         lines.append(control_plane_env(server, engines).rstrip())

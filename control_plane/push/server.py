@@ -55,6 +55,7 @@ from control_plane.engines import service as engines
 from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.keys import service as keys
 from control_plane.limits import service as limits
+from control_plane.push import keys as push_keys
 from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.replicas.relay import DOWN, FleetRelay
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
@@ -312,8 +313,8 @@ class PushServer:
                 )
         if secret is not None:
             logger.info(
-                "engines connect with --control-plane-public-key '%s'",
-                zmq.curve_public(secret.encode()).decode(),
+                "engines connect with %s",
+                push_keys.public_key_flag(zmq.curve_public(secret.encode()).decode()),
             )
         return cls(
             endpoint=settings.zmq_endpoint,

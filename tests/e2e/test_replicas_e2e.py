@@ -147,8 +147,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 tmp / "engine.log",
                 "--control-plane-endpoint",
                 ",".join(r.zmq_endpoint for r in replicas),
-                "--control-plane-public-key",
-                server_public,
+                f"--control-plane-public-key={server_public}",  # a Z85 key may begin with '-'
                 "--output-rate-engine-id",
                 ENGINE_ID,
                 "--max-num-seqs",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import stat
 from pathlib import Path
 
+import pytest
 import zmq
 
 from control_plane.cli import main
 from control_plane.push import keys
 from control_plane.settings import Settings
+from engine_ext.flags import add_flags, config_from_args
 from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV
 
 
@@ -44,4 +48,18 @@ def test_keys_written_for_the_control_plane_and_each_engine(tmp_path: Path) -> N
 def test_keys_printed() -> None:
     text = keys.run(out_dir=None, num_engines=1)
     assert "OUTPUT_RATE_ZMQ_SECRET_KEY=" in text and ENGINE_SECRET_KEY_ENV in text
-    assert "--control-plane-public-key '" in text
+    assert "--control-plane-public-key='" in text
+
+
+def test_the_printed_flag_parses_also_for_a_key_that_begins_with_a_dash() -> None:
+    """About one key in 85 begins with '-': `--control-plane-public-key KEY` is then
+    refused by the engine's parser ("expected one argument"), the printed form is not."""
+    public = next(
+        k for k in (zmq.curve_keypair()[0].decode() for _ in range(100_000)) if k[0] == "-"
+    )
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser)
+    with pytest.raises(argparse.ArgumentError, match="expected one argument"):
+        parser.parse_args(["--control-plane-public-key", public])
+    args = parser.parse_args(shlex.split(keys.public_key_flag(public)))
+    assert config_from_args(args).control_plane_public_key == public
