@@ -27,25 +27,17 @@ import platform
 import re
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, text
 
-from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient
+from bench.report import concurrent_writes, pct, write_report
 from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, kill_hard, serve
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from tests.control_plane.served import ApplyingEngine, Served, kill_hard, serve
 
 
 def ms(seconds: float) -> str:
@@ -66,53 +58,23 @@ def replicas(
         ]
 
 
-class Engine:
-    """A push client applying what arrives on a thread of its own, noting when each
-    version was applied."""
+class Engine(ApplyingEngine):
+    """An engine that, once `report` is set, also reports usage and its streams twice a
+    second, as a serving engine does."""
 
     def __init__(self, name: str, endpoints: list[str]) -> None:
-        self.limiter = OutputRateLimiter(None)
-        self.woken = threading.Event()
-        self.client = PushClient(
-            endpoints=endpoints,
-            engine_id=name,
-            model="tiny",
-            server_public_key=None,
-            wake=self.woken.set,
-        )
-        self.applied_at: dict[int, float] = {}
+        super().__init__(name, endpoints)
         self.streams: dict[str, int] = {}
         self.report = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._next_report = 0.0
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.woken.wait(0.02)
-            self.woken.clear()
-            before = self.client.applied_version
-            self.client.apply_pending(self.limiter)
-            now = time.perf_counter()
-            for v in range(before + 1, self.client.applied_version + 1):
-                self.applied_at.setdefault(v, now)
-            if self.report and now >= self._next_report:
-                self._next_report = now + 0.5
-                self.client.report_usage(
-                    granted={"u1": 50, "u2": 30}, throttled={"u1": 5}, would_throttle={}
-                )
-                self.client.report_demand(dict(self.streams))
-
-    def __enter__(self) -> Engine:
-        self.client.start()
-        self._thread.start()
-        assert self.client.wait_for_snapshot(60), "no snapshot"
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.client.close()
+    def after_apply(self, now: float) -> None:
+        if self.report and now >= self._next_report:
+            self._next_report = now + 0.5
+            self.client.report_usage(
+                granted={"u1": 50, "u2": 30}, throttled={"u1": 5}, would_throttle={}
+            )
+            self.client.report_demand(dict(self.streams))
 
 
 def admin(replica: Served) -> httpx.Client:
@@ -131,29 +93,19 @@ def put(http: httpx.Client, user: str) -> int:
 def throughput_round(
     served: list[Served], *, threads: int, writes: int, tag: str
 ) -> tuple[float, list[float]]:
-    """(writes/s, latencies) of `threads` clients writing round robin over `served`."""
-    latencies: list[float] = []
-    lock = threading.Lock()
+    """(writes/s, latencies) of `threads` clients writing round robin over `served`, each
+    with one HTTP connection per replica."""
+    clients = [[admin(r) for r in served] for _ in range(threads)]
 
-    def work(index: int) -> None:
-        clients = [admin(r) for r in served]
-        mine = []
-        try:
-            for k in range(writes):
-                http = clients[(index + k) % len(clients)]
-                started = time.perf_counter()
-                put(http, f"w{tag}-{index}-{k}")
-                mine.append(time.perf_counter() - started)
-        finally:
-            for c in clients:
+    def write(index: int, k: int) -> None:
+        put(clients[index][(index + k) % len(served)], f"w{tag}-{index}-{k}")
+
+    try:
+        return concurrent_writes(threads=threads, writes=writes, write=write)
+    finally:
+        for mine in clients:
+            for c in mine:
                 c.close()
-        with lock:
-            latencies.extend(mine)
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(threads)))
-    return threads * writes / (time.perf_counter() - started), latencies
 
 
 def write_throughput(url: str, workdir: Path, *, threads: int, writes: int) -> list[str]:
@@ -170,8 +122,8 @@ def write_throughput(url: str, workdir: Path, *, threads: int, writes: int) -> l
             with replicas(url, workdir, n, notify=notify, tag=f"w{tag}") as served:
                 rate, latencies = throughput_round(served, threads=threads, writes=writes, tag=tag)
             lines.append(
-                f"| {n} | {'on' if notify else 'off'} | {rate:.0f} | {ms(pct(latencies, 0.5))} "
-                f"| {ms(pct(latencies, 0.99))} |"
+                f"| {n} | {'on' if notify else 'off'} | {rate:.0f} | {ms(pct(latencies, 50))} "
+                f"| {ms(pct(latencies, 99))} |"
             )
     lines += [
         "",
@@ -212,19 +164,18 @@ def write_to_applied(url: str, workdir: Path, *, writes: int) -> list[str]:
             for k in range(writes):
                 at = k % 3
                 version = put(clients[at], f"d{int(notify)}-{k}")
-                returned = time.perf_counter()
+                returned = time.monotonic()
                 others = [e for i, e in enumerate(engines) if i != at]
                 deadline = returned + 10
                 while (
-                    any(version not in e.applied_at for e in others)
-                    and time.perf_counter() < deadline
+                    any(version not in e.applied_at for e in others) and time.monotonic() < deadline
                 ):
                     time.sleep(0.0005)
                 for e in others:
                     latencies.append(e.applied_at[version] - returned)
         lines.append(
-            f"| {'on' if notify else 'off (poll 1 s)'} | {ms(pct(latencies, 0.5))} "
-            f"| {ms(pct(latencies, 0.99))} | {ms(max(latencies))} |"
+            f"| {'on' if notify else 'off (poll 1 s)'} | {ms(pct(latencies, 50))} "
+            f"| {ms(pct(latencies, 99))} | {ms(max(latencies))} |"
         )
     lines += [
         "",
@@ -246,11 +197,11 @@ def engine_failover(url: str, workdir: Path, *, runs: int) -> list[str]:
             Engine(f"f{run}", [a.zmq_endpoint, b.zmq_endpoint]) as engine,
             admin(b) as http,
         ):
-            killed = time.perf_counter()
+            killed = time.monotonic()
             kill_hard(a)
             version = put(http, f"f{run}-after-kill")
             while version not in engine.applied_at:
-                assert time.perf_counter() - killed < 60, "the engine did not fail over"
+                assert time.monotonic() - killed < 60, "the engine did not fail over"
                 time.sleep(0.01)
             times.append(engine.applied_at[version] - killed)
     return [
@@ -279,13 +230,13 @@ def leader_takeover(url: str, workdir: Path, *, runs: int) -> list[str]:
                 time.sleep(0.1)
             leader = next(r for r in served if readiness(r)["leader"])
             other = next(r for r in served if r is not leader)
-            stopped = time.perf_counter()
+            stopped = time.monotonic()
             leader.process.send_signal(signal.SIGSTOP)
             try:
                 while not readiness(other)["leader"]:
-                    assert time.perf_counter() - stopped < 30, "no takeover"
+                    assert time.monotonic() - stopped < 30, "no takeover"
                     time.sleep(0.02)
-                times.append(time.perf_counter() - stopped)
+                times.append(time.monotonic() - stopped)
             finally:
                 leader.process.send_signal(signal.SIGCONT)
     return [
@@ -440,9 +391,7 @@ def main() -> None:
             *body,
         ]
     )
-    if args.out != "-":
-        Path(args.out).write_text(text_)
-    print(text_)
+    write_report(text_, args.out)
 
 
 if __name__ == "__main__":

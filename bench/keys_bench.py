@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import zmq
 
+from bench.report import pct, write_report
 from control_plane.cli import upgrade
 from harness.servers import free_port
 from output_rate_core import protocol as p
@@ -35,11 +36,6 @@ from output_rate_core import protocol as p
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "keys-bench-token"
 ENGINE_ID = "bench-1"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 class ApiPeer:
@@ -220,11 +216,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "keys.md"))
     args = parser.parse_args()
     text = report(args.keys, run(args.keys))
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine
 
+from bench.report import pct, write_report
 from control_plane.usage.repository import UsageRow, add_usage
 from harness.servers import free_port
 from tests.control_plane.factories import ADMIN_TOKEN, fresh_database
@@ -37,11 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_USERS = 5_000
 TIERS = {"free": 20, "basic": 50, "pro": 200, "max": 1000}
 SIZES = (1_000, 10_000)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def csv_body(num_lines: int, tier: str) -> str:
@@ -212,11 +208,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {kind: run(kind, args.reps) for kind in args.databases.split(",")}
     text = report(results, args.reps)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

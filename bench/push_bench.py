@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import zmq
 
+from bench.report import pct, write_report
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
@@ -44,11 +45,6 @@ from harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 class BenchEngine:
@@ -315,12 +311,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "push.md"))
     args = parser.parse_args()
     report = run(args.puts, args.users, args.fanout, args.fanout_users)
-    if args.out == "-":
-        print(report)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report)
-        print(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

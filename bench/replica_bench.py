@@ -19,47 +19,27 @@ import os
 import platform
 import statistics
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
+from bench.report import concurrent_writes, pct, write_report
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from control_plane.replicas.notify import ChangeAnnouncer, current_channel
-from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient
 from tests.control_plane.factories import ADMIN_TOKEN, fresh_database
-from tests.control_plane.served import serve
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from tests.control_plane.served import ApplyingEngine, serve
 
 
 def writer_round(db: Database, *, threads: int, writes: int, tag: str) -> tuple[float, list[float]]:
-    latencies: list[float] = []
-    lock = threading.Lock()
+    def write(index: int, k: int) -> None:
+        db.write_now(
+            limits.put_limit.fn, actor="bench", user=f"{tag}-{index}-{k}", rate=10, tier=None
+        )
 
-    def work(index: int) -> None:
-        mine = []
-        for n in range(writes):
-            started = time.perf_counter()
-            db.write_now(
-                limits.put_limit.fn, actor="bench", user=f"{tag}-{index}-{n}", rate=10, tier=None
-            )
-            mine.append(time.perf_counter() - started)
-        with lock:
-            latencies.extend(mine)
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(threads)))
-    return threads * writes / (time.perf_counter() - started), latencies
+    return concurrent_writes(threads=threads, writes=writes, write=write)
 
 
 def writer_cost(url: str, *, threads: int, writes: int, rounds: int) -> list[str]:
@@ -92,8 +72,8 @@ def writer_cost(url: str, *, threads: int, writes: int, rounds: int) -> list[str
         rates[announce] = rate
         every = [x for _, lat in results[announce] for x in lat]
         lines.append(
-            f"| {'on' if announce else 'off'} | {rate:.0f} | {pct(every, 0.5) * 1000:.2f} ms "
-            f"| {pct(every, 0.99) * 1000:.2f} ms |"
+            f"| {'on' if announce else 'off'} | {rate:.0f} | {pct(every, 50) * 1000:.2f} ms "
+            f"| {pct(every, 99) * 1000:.2f} ms |"
         )
     lines += ["", f"Ratio with / without NOTIFY: **{rates[True] / rates[False]:.3f}** writes/s."]
     return lines
@@ -102,57 +82,29 @@ def writer_cost(url: str, *, threads: int, writes: int, rounds: int) -> list[str
 def cross_replica(url: str, workdir: Path, *, writes: int) -> list[str]:
     env = {"OUTPUT_RATE_PUSH_POLL_INTERVAL_S": "30"}
     with serve(url, workdir, env=env) as a, serve(url, workdir, env=env) as b:
-        limiter = OutputRateLimiter(None)
-        woken = threading.Event()
-        client = PushClient(
-            endpoints=[b.zmq_endpoint],
-            engine_id="bench-b",
-            model="tiny",
-            server_public_key=None,
-            wake=woken.set,
-        )
-        applied_at: dict[int, float] = {}
-        stop = threading.Event()
-
-        def engine_thread() -> None:
-            while not stop.is_set():
-                woken.wait(0.05)
-                woken.clear()
-                before = client.applied_version
-                client.apply_pending(limiter)
-                now = time.perf_counter()
-                for v in range(before + 1, client.applied_version + 1):
-                    applied_at.setdefault(v, now)
-
-        client.start()
-        thread = threading.Thread(target=engine_thread, daemon=True)
-        thread.start()
         latencies = []
-        try:
-            assert client.wait_for_snapshot(30)
-            with httpx.Client(
+        with (
+            ApplyingEngine("bench-b", [b.zmq_endpoint]) as engine,
+            httpx.Client(
                 base_url=a.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
-            ) as http:
-                for n in range(writes):
-                    response = http.put(
-                        f"/limits/x{n}", json={"output_tokens_per_second": 5, "scope": "engine"}
-                    )
-                    returned = time.perf_counter()
-                    version = response.json()["version"]
-                    deadline = returned + 10
-                    while version not in applied_at and time.perf_counter() < deadline:
-                        time.sleep(0.0005)
-                    latencies.append(applied_at[version] - returned)
-        finally:
-            stop.set()
-            thread.join()
-            client.close()
+            ) as http,
+        ):
+            for n in range(writes):
+                response = http.put(
+                    f"/limits/x{n}", json={"output_tokens_per_second": 5, "scope": "engine"}
+                )
+                returned = time.monotonic()
+                version = response.json()["version"]
+                deadline = returned + 10
+                while version not in engine.applied_at and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                latencies.append(engine.applied_at[version] - returned)
     return [
         f"Write on replica A -> applied by an engine on replica B, {writes} sequential PUTs "
         "(poll at 30 s: only NOTIFY delivers):",
         "",
-        f"p50 **{pct(latencies, 0.5) * 1000:.1f} ms**, "
-        f"p99 **{pct(latencies, 0.99) * 1000:.1f} ms**, max {max(latencies) * 1000:.1f} ms.",
+        f"p50 **{pct(latencies, 50) * 1000:.1f} ms**, "
+        f"p99 **{pct(latencies, 99) * 1000:.1f} ms**, max {max(latencies) * 1000:.1f} ms.",
     ]
 
 
@@ -193,11 +145,7 @@ def main() -> None:
             "",
         ]
     )
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

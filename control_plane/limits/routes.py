@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from control_plane.auth import ReaderDep, WriterDep
+from control_plane.db import Service
 from control_plane.deps import DatabaseDep, FleetDep, UsageSourceDep
 from control_plane.errors import DomainError
 from control_plane.limits import csv_items, preview, service
@@ -36,17 +37,41 @@ from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PAT
 router = APIRouter(responses=ERRORS)
 
 TierPath = Annotated[str, Path(pattern=TIER_NAME_PATTERN)]
-DryRun = Annotated[
-    bool,
-    Query(
-        description="true: write nothing; answer what the write would change (a "
-        "ChangePreview, 200), with the write's own validation and errors"
-    ),
-]
-ItemsLimit = Annotated[
-    int,
-    Query(ge=0, le=MAX_PREVIEW_ITEMS, description="With dry_run: the items listed at most"),
-]
+
+
+class DryRun:
+    """A limit write's `?dry_run=true&items_limit=N`: when `wanted`, the route answers
+    what the write would change instead of making it."""
+
+    def __init__(
+        self,
+        db: DatabaseDep,
+        dry_run: Annotated[
+            bool,
+            Query(
+                description="true: write nothing; answer what the write would change (a "
+                "ChangePreview, 200), with the write's own validation and errors"
+            ),
+        ] = False,
+        items_limit: Annotated[
+            int,
+            Query(ge=0, le=MAX_PREVIEW_ITEMS, description="With dry_run: the items listed at most"),
+        ] = MAX_PREVIEW_ITEMS,
+    ) -> None:
+        self.wanted = dry_run
+        self._db = db
+        self._items_limit = items_limit
+
+    async def preview(self, compute: Service[..., preview.Preview], **kw: Any) -> Response:
+        """The preview `compute` makes in one read transaction, encoded as is: validating
+        its up to 10,000 items again against ChangePreview (which documents it) would cost
+        more than computing them."""
+        result = await self._db.run(compute, items_limit=self._items_limit, **kw)
+        return Response(msgspec.json.encode(result), media_type="application/json")
+
+
+DryRunDep = Annotated[DryRun, Depends()]
+
 # OpenAPI of a write that answers 204 (DELETE): the preview's 200.
 PREVIEW_200: dict[int | str, dict[str, Any]] = {
     200: {"model": ChangePreview, "description": "dry_run=true: what the write would change"}
@@ -87,12 +112,6 @@ BULK_BODY: dict[str, Any] = {
         },
     }
 }
-
-
-def _preview_response(result: preview.Preview) -> Response:
-    """A preview, encoded as is: validating its up to 10,000 items again against
-    ChangePreview (which documents it) would cost more than computing them."""
-    return Response(msgspec.json.encode(result), media_type="application/json")
 
 
 @router.get("/limits", response_model=LimitPage)
@@ -171,14 +190,12 @@ async def bulk_put_limits(
     request: Request,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> BulkOut | Response:
     bulk = await _bulk_body(request)
     kw: dict[str, Any] = {"items": bulk.items, "lines": bulk.lines, "problems": bulk.problems}
-    if dry_run:
-        result = await db.run(preview.bulk_put_limits, items_limit=items_limit, **kw)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.bulk_put_limits, **kw)
     change = await db.run(service.bulk_put_limits, actor=principal.name, **kw)
     return change.result
 
@@ -196,8 +213,7 @@ async def put_limit(
     body: LimitIn,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> LimitOut | Response:
     kw: dict[str, Any] = {
         "user": user,
@@ -206,9 +222,8 @@ async def put_limit(
         "scope": body.scope,
         "enforcement": body.enforcement,
     }
-    if dry_run:
-        result = await db.run(preview.put_limit, items_limit=items_limit, **kw)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.put_limit, **kw)
     change = await db.run(service.put_limit, actor=principal.name, **kw)
     return change.result
 
@@ -224,15 +239,11 @@ async def patch_limit(
     body: LimitPatch,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> LimitOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
-    if dry_run:
-        result = await db.run(
-            preview.patch_limit, user=user, changes=changes, items_limit=items_limit
-        )
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.patch_limit, user=user, changes=changes)
     change = await db.run(service.patch_limit, actor=principal.name, user=user, changes=changes)
     return change.result
 
@@ -242,12 +253,10 @@ async def delete_limit(
     user: UserPath,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> Response:
-    if dry_run:
-        result = await db.run(preview.delete_limit, user=user, items_limit=items_limit)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.delete_limit, user=user)
     await db.run(service.delete_limit, actor=principal.name, user=user)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -268,8 +277,7 @@ async def put_tier(
     body: TierIn,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> TierOut | Response:
     kw: dict[str, Any] = {
         "name": name,
@@ -277,9 +285,8 @@ async def put_tier(
         "scope": body.scope,
         "enforcement": body.enforcement,
     }
-    if dry_run:
-        result = await db.run(preview.put_tier, items_limit=items_limit, **kw)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.put_tier, **kw)
     change = await db.run(
         service.put_tier, actor=principal.name, description=body.description, **kw
     )
@@ -298,15 +305,11 @@ async def patch_tier(
     body: TierPatch,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> TierOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
-    if dry_run:
-        result = await db.run(
-            preview.patch_tier, name=name, changes=changes, items_limit=items_limit
-        )
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.patch_tier, name=name, changes=changes)
     change = await db.run(service.patch_tier, actor=principal.name, name=name, changes=changes)
     return change.result
 
@@ -320,12 +323,10 @@ async def delete_tier(
     name: TierPath,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> Response:
-    if dry_run:
-        result = await db.run(preview.delete_tier, name=name, items_limit=items_limit)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.delete_tier, name=name)
     await db.run(service.delete_tier, actor=principal.name, name=name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -340,16 +341,14 @@ async def put_default(
     body: DefaultIn,
     db: DatabaseDep,
     principal: WriterDep,
-    dry_run: DryRun = False,
-    items_limit: ItemsLimit = MAX_PREVIEW_ITEMS,
+    dry_run: DryRunDep,
 ) -> DefaultOut | Response:
     kw: dict[str, Any] = {
         "rate": body.output_tokens_per_second,
         "scope": body.scope,
         "enforcement": body.enforcement,
     }
-    if dry_run:
-        result = await db.run(preview.put_default, items_limit=items_limit, **kw)
-        return _preview_response(result)
+    if dry_run.wanted:
+        return await dry_run.preview(preview.put_default, **kw)
     change = await db.run(service.put_default, actor=principal.name, **kw)
     return change.result

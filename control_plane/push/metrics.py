@@ -83,6 +83,12 @@ class PushCollector(Collector):
         )
         share_frames.add_metric([], self._server.num_share_frames)
         yield share_frames
+        status_rows = CounterMetricFamily(
+            "output_rate_push_engine_status_rows_written",
+            "Engine status rows (GET /engines) this replica wrote",
+        )
+        status_rows.add_metric([], self._server.num_status_rows_written)
+        yield status_rows
         elsewhere = CounterMetricFamily(
             "output_rate_push_binds_refused_elsewhere",
             "Engine ids refused because another replica holds them",

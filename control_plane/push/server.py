@@ -67,6 +67,10 @@ logger = logging.getLogger(__name__)
 
 # Engine status rows are written at most this often (batched).
 STATUS_FLUSH_INTERVAL_S = 0.2
+# A row whose version and model are unchanged is rewritten only this often: enough for
+# last_seen and for the fleet-wide bind (a home heard within the engine timeout, 5 s by
+# default), while every usage report or heartbeat no longer costs a row update.
+STATUS_REFRESH_S = 1.0
 # At most one snapshot per connection this often, whatever asks for it (HELLO, RESYNC,
 # a pruned change log); below the engines' retry period.
 SNAPSHOT_MIN_INTERVAL_S = p.RESYNC_RETRY_S / 2
@@ -159,6 +163,9 @@ class Peer:
     proven: bool = False
     bound_at: float = field(default_factory=time.monotonic)
     first_seen: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # What its status row last said, and when it was written (None: not written yet).
+    written_status: tuple[str, int] | None = None
+    status_written_at: float = float("-inf")
 
 
 def _snapshot_due(peer: Peer, now: float) -> bool:
@@ -239,6 +246,7 @@ class PushServer:
         self.num_share_frames = 0
         # Engine ids refused because another replica holds them.
         self.num_binds_refused_elsewhere = 0
+        self.num_status_rows_written = 0
         # Where API servers' key-use reports go (None: nobody records them).
         self._key_uses = key_uses
         # ROUTER identity -> peer; read (copied) by other threads for metrics.
@@ -444,7 +452,7 @@ class PushServer:
                         self._send_shares(router, self.fleet.step())
                     if self._dirty and now - self._last_flush >= STATUS_FLUSH_INTERVAL_S:
                         self._last_flush = now
-                        self._flush_status()
+                        self._flush_status(now)
                 except Exception:
                     # A database hiccup must not end the push: log, back off, go on.
                     logger.exception("output-rate push loop error")
@@ -862,7 +870,31 @@ class PushServer:
 
     # ---- engine status in the database ------------------------------------
 
-    def _flush_status(self) -> None:
+    def _status_due(self, now: float) -> list[Peer]:
+        """The dirty peers whose row is written now: a changed version or model at once,
+        an unchanged one once STATUS_REFRESH_S passed; the others stay dirty."""
+        due, waiting = [], set()
+        for identity in self._dirty:
+            peer = self.peers.get(identity)
+            if peer is None or not peer.proven:
+                continue
+            if (
+                peer.written_status != (peer.model, peer.applied_version)
+                or now - peer.status_written_at >= STATUS_REFRESH_S
+            ):
+                due.append(peer)
+            else:
+                waiting.add(identity)
+        self._dirty = waiting
+        return due
+
+    def _flush_status(self, now: float) -> None:
+        due = self._status_due(now)
+        if not due:
+            return
+        for peer in due:
+            peer.written_status = (peer.model, peer.applied_version)
+            peer.status_written_at = now
         # One row per engine_id, written by its engine core and its API server (one
         # connection per engine id and role).
         seen = {
@@ -873,14 +905,13 @@ class PushServer:
                 first_seen=peer.first_seen,
                 role=peer.role,
             )
-            for peer in (self.peers.get(identity) for identity in self._dirty)
-            if peer is not None and peer.proven
+            for peer in due
         }
-        self._dirty.clear()
         try:
             moved = self._db.run_now(
                 engines.record_engines, seen=list(seen.values()), replica=self.replica_id
             )
+            self.num_status_rows_written += len(seen)
         except Exception:
             # One row the database refuses must not keep every other engine's row stale:
             # write them one by one and let go of the engines whose row fails.
@@ -891,6 +922,7 @@ class PushServer:
                         engines.record_engines, seen=[engine], replica=self.replica_id
                     )
                     moved |= moved_one
+                    self.num_status_rows_written += 1
                 except Exception as e:
                     self.drops.note("engine status row refused by the database", str(e)[:200])
                     owner = self._owners.get((engine.engine_id, engine.role))

@@ -7,15 +7,19 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
 import zmq
 
+from engine_ext.limiter import OutputRateLimiter
+from engine_ext.push_client import PushClient
 from harness.servers import free_port, wait_healthy
 from tests.control_plane.factories import ADMIN_TOKEN
 
@@ -117,3 +121,56 @@ def serve(
 def kill_hard(served: Served) -> None:
     served.process.kill()  # SIGKILL: no shutdown hooks, no final flush
     served.process.wait()
+
+
+class ApplyingEngine:
+    """A real push client whose engine side runs on a thread of its own, as in an engine
+    core: woken by the client, it applies what arrived and notes when each version was
+    applied. A subclass adds the rest of its step in `after_apply`."""
+
+    def __init__(self, name: str, endpoints: list[str]) -> None:
+        self.name = name
+        self.limiter = OutputRateLimiter(None)
+        self._woken = threading.Event()
+        self.client = PushClient(
+            endpoints=endpoints,
+            engine_id=name,
+            model="tiny",
+            server_public_key=None,
+            wake=self._woken.set,
+        )
+        # version -> when it was applied (time.monotonic)
+        self.applied_at: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.client.start()
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.client.close()
+
+    def __enter__(self) -> Self:
+        self.start()
+        assert self.client.wait_for_snapshot(60), f"{self.name}: no snapshot"
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def after_apply(self, now: float) -> None:
+        """The rest of the engine thread's step (`now`: time.monotonic)."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._woken.wait(0.02)
+            self._woken.clear()
+            before = self.client.applied_version
+            self.client.apply_pending(self.limiter)
+            now = time.monotonic()
+            for version in range(before + 1, self.client.applied_version + 1):
+                self.applied_at.setdefault(version, now)
+            self.after_apply(now)

@@ -137,17 +137,24 @@ function endLabelPlugin(getLabels) {
           ctx.font = `${11 * px}px system-ui, sans-serif`;
           ctx.textBaseline = "middle";
           ctx.textAlign = "left";
-          const x = u.bbox.left + u.bbox.width + 4 * px;
+          const edge = u.bbox.left + u.bbox.width;
+          const x = edge + 14 * px;
           ctx.lineWidth = px;
           for (const { y, at, text, colour } of labels) {
-            // A leader from the line's end to its label, where the label was pushed away.
-            ctx.strokeStyle = colour;
-            ctx.beginPath();
-            ctx.moveTo(x - 4 * px, at);
-            ctx.lineTo(x + 2 * px, y);
-            ctx.stroke();
+            // A leader from the line's end to its label, where the label was pushed away:
+            // grey, dotted and outside the plot, so it never reads as the line's last step
+            // (a coloured slope there looked like the current minute dipping).
+            if (Math.abs(y - at) >= px) {
+              ctx.strokeStyle = "#9aa0a6";
+              ctx.setLineDash([2 * px, 2 * px]);
+              ctx.beginPath();
+              ctx.moveTo(edge + 2 * px, at);
+              ctx.lineTo(x - 2 * px, y);
+              ctx.stroke();
+              ctx.setLineDash([]);
+            }
             ctx.fillStyle = colour;
-            ctx.fillText(text, x + 4 * px, y);
+            ctx.fillText(text, x, y);
           }
           ctx.restore();
         },
@@ -302,7 +309,7 @@ export function historyChart({
     // Room on the right for the labels at the lines' ends (about 6.5 px a character at
     // 11 px), at most a third of the width.
     const longest = Math.max(0, ...labels.map((l) => l.text.length));
-    const room = Math.min(Math.round(box.width / 3), 16 + Math.ceil(6.5 * longest));
+    const room = Math.min(Math.round(box.width / 3), 24 + Math.ceil(6.5 * longest));
     plot = new uPlot(
       {
         ...box,

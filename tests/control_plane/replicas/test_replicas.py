@@ -24,52 +24,13 @@ from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
 from output_rate_core import protocol as p
 from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
+from tests.control_plane.served import ApplyingEngine, Served, serve
 
 POLL_INTERVAL_S = "30"
 NUM_WRITERS = 8
 WRITES_PER_WRITER = 25
 # Far below the 30 s poll: only the wake-up can deliver this fast.
 MAX_CROSS_REPLICA_S = 5.0
-
-
-class Engine:
-    """A push client applying on a thread of its own, noting when each version landed."""
-
-    def __init__(self, served: Served, name: str) -> None:
-        self.name = name
-        self.limiter = OutputRateLimiter(None)
-        self._woken = threading.Event()
-        self.client = PushClient(
-            endpoints=[served.zmq_endpoint],
-            engine_id=name,
-            model="tiny",
-            server_public_key=None,
-            wake=self._woken.set,
-        )
-        # version -> when it was applied (monotonic)
-        self.applied_at: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self.client.start()
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._woken.wait(0.05)
-            self._woken.clear()
-            before = self.client.applied_version
-            self.client.apply_pending(self.limiter)
-            now = time.monotonic()
-            for version in range(before + 1, self.client.applied_version + 1):
-                self.applied_at.setdefault(version, now)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.client.close()
 
 
 @pytest.fixture
@@ -91,7 +52,11 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def test_writes_on_either_replica_reach_engines_on_both(replicas) -> None:
     a, b = replicas
-    engines = [Engine(a, "on-a"), Engine(b, "on-b-1"), Engine(b, "on-b-2")]
+    engines = [
+        ApplyingEngine("on-a", [a.zmq_endpoint]),
+        ApplyingEngine("on-b-1", [b.zmq_endpoint]),
+        ApplyingEngine("on-b-2", [b.zmq_endpoint]),
+    ]
     replica_of = {"on-a": a, "on-b-1": b, "on-b-2": b}
     for engine in engines:
         engine.start()
