@@ -410,7 +410,7 @@ def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
             server.peers[identity] = Peer(engine_id=engine_id, model="m", proven=True)
             server._owners[engine_id, p.ENGINE_ROLE] = identity
             server._dirty.add(identity)
-        server._flush_status()
+        server._flush_status(time.monotonic())
         rows = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
         assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
         assert set(server.peers) == {b"good"}

@@ -299,8 +299,11 @@ def test_reports_of_many_fresh_users_keep_the_history_bounded_and_the_api_respon
     assert refused["history_engine_users"] > refused_before.get("history_engine_users", 0)
     assert num_rows <= MAX_USERS_PER_MINUTE * len(rows)
     # The slowest GET while the reports came and their history was written, against the
-    # GETs before (the same process, a few seconds earlier).
-    assert max(during) < 25 * statistics.median(baseline) + 5 * max(baseline), (
+    # GETs before (the same process, a few seconds earlier), plus 0.2 s for a shared
+    # machine's scheduler (a lone 87 ms GET failed it once): a tenth of the stall it
+    # guards against.
+    slack_s = 0.2
+    assert max(during) < 25 * statistics.median(baseline) + 5 * max(baseline) + slack_s, (
         f"baseline median {statistics.median(baseline):.4f} max {max(baseline):.4f}, "
         f"during max {max(during):.4f}"
     )
