@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,63 +38,11 @@ from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from control_plane.limits.schemas import MAX_BULK_ITEMS
-from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient
 from harness.servers import free_port
+from tests.control_plane.served import ApplyingEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"
-
-
-class BenchEngine:
-    """A PushClient with an engine thread woken by the client, as in vLLM."""
-
-    def __init__(self, endpoint: str, name: str, server_public: str, engine_secret: str) -> None:
-        self.limiter = OutputRateLimiter(None)
-        self.applied_at: dict[int, float] = {}
-        # Set after applied_at, so readers on other threads see both.
-        self.recorded_version = 0
-        self._woken = threading.Event()
-        self._stop = threading.Event()
-        self.client = PushClient(
-            endpoints=[endpoint],
-            engine_id=name,
-            model="bench",
-            server_public_key=server_public,
-            client_secret_key=engine_secret,
-            wake=self._woken.set,
-        )
-        self._thread = threading.Thread(target=self._engine_loop, daemon=True)
-
-    def start(self) -> None:
-        self.client.start()
-        self._thread.start()
-
-    def _engine_loop(self) -> None:
-        while not self._stop.is_set():
-            # An idle engine waits up to 50 ms on its input queue (engine_core patch).
-            self._woken.wait(0.05)
-            self._woken.clear()
-            if self.client.apply_pending(self.limiter):
-                version = self.client.applied_version
-                self.applied_at[version] = time.perf_counter()
-                self.recorded_version = version
-
-    def wait_version(self, version: int, timeout_s: float = 60.0) -> float:
-        deadline = time.monotonic() + timeout_s
-        while self.recorded_version < version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.client.engine_id} stuck at {self.client.applied_version}"
-                )
-            time.sleep(0.0005)
-        return min(t for v, t in list(self.applied_at.items()) if v >= version)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._woken.set()
-        self._thread.join()
-        self.client.close()
 
 
 def seed_users(db_url: str, num_users: int) -> None:
@@ -145,7 +92,7 @@ class ControlPlane:
         self.http = httpx.Client(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
         )
-        self.engines: list[BenchEngine] = []
+        self.engines: list[ApplyingEngine] = []
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -157,8 +104,14 @@ class ControlPlane:
                 raise RuntimeError(f"serve did not start; see {workdir / 'serve.log'}")
             time.sleep(0.1)
 
-    def new_engine(self, name: str) -> BenchEngine:
-        engine = BenchEngine(self.endpoint, name, self.server_public, self.engine_secret)
+    def new_engine(self, name: str) -> ApplyingEngine:
+        engine = ApplyingEngine(
+            name,
+            [self.endpoint],
+            model="bench",
+            server_public_key=self.server_public,
+            client_secret_key=self.engine_secret,
+        )
         self.engines.append(engine)
         engine.start()
         return engine
@@ -168,9 +121,9 @@ class ControlPlane:
 
     def put(self, user: str, rate: int) -> tuple[float, float, int]:
         """(request sent, response read, version) of one PUT /limits/{user}."""
-        sent = time.perf_counter()
+        sent = time.monotonic()
         response = self.http.put(f"/limits/{user}", json={"output_tokens_per_second": rate})
-        answered = time.perf_counter()
+        answered = time.monotonic()
         response.raise_for_status()
         return sent, answered, int(response.json()["version"])
 
@@ -192,9 +145,9 @@ def snapshot_phase(num_users: int) -> list[float]:
         for i in range(3):
             cp.put("snapshot-probe", i + 1)
             version = cp.version()
-            started = time.perf_counter()
+            started = time.monotonic()
             engine = cp.new_engine(f"snap-{i}")
-            times.append(engine.wait_version(version) - started)
+            times.append(engine.wait_applied(version) - started)
             assert len(engine.limiter.user_rates()) >= num_users // 2
         return times
     finally:
@@ -214,12 +167,12 @@ def latency_phase(num_users: int, num_puts: int, fanout: int) -> LatencyResult:
     cp = ControlPlane(num_users)
     try:
         single = cp.new_engine("single")
-        single.wait_version(cp.version())
+        single.wait_applied(cp.version())
         from_response: list[float] = []
         from_request: list[float] = []
         for i in range(num_puts):
             sent, answered, version = cp.put(f"latency-{i % 10}", i % 1000 + 1)
-            applied = single.wait_version(version)
+            applied = single.wait_applied(version)
             from_response.append(max(0.0, applied - answered))
             from_request.append(applied - sent)
 
@@ -227,11 +180,11 @@ def latency_phase(num_users: int, num_puts: int, fanout: int) -> LatencyResult:
             cp.new_engine(f"fan-{i}")
         version = cp.version()
         for engine in cp.engines:
-            engine.wait_version(version)
+            engine.wait_applied(version)
         fan_all: list[float] = []
         for i in range(max(20, num_puts // 4)):
             _, answered, version = cp.put(f"fan-{i % 10}", i % 1000 + 1)
-            last = max(engine.wait_version(version) for engine in cp.engines)
+            last = max(engine.wait_applied(version) for engine in cp.engines)
             fan_all.append(max(0.0, last - answered))
 
         # How long until GET /engines shows the last version applied everywhere.
@@ -239,7 +192,7 @@ def latency_phase(num_users: int, num_puts: int, fanout: int) -> LatencyResult:
         while True:
             listed = cp.http.get("/engines").json()["items"]
             in_sync = sum(1 for e in listed if e["applied_version"] == version)
-            visible_s = time.perf_counter() - answered
+            visible_s = time.monotonic() - answered
             if in_sync == len(cp.engines) or visible_s > 30:
                 break
             time.sleep(0.01)

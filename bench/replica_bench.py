@@ -95,10 +95,7 @@ def cross_replica(url: str, workdir: Path, *, writes: int) -> list[str]:
                 )
                 returned = time.monotonic()
                 version = response.json()["version"]
-                deadline = returned + 10
-                while version not in engine.applied_at and time.monotonic() < deadline:
-                    time.sleep(0.0005)
-                latencies.append(engine.applied_at[version] - returned)
+                latencies.append(engine.wait_applied(version, timeout_s=10) - returned)
     return [
         f"Write on replica A -> applied by an engine on replica B, {writes} sequential PUTs "
         "(poll at 30 s: only NOTIFY delivers):",

@@ -128,15 +128,24 @@ class ApplyingEngine:
     core: woken by the client, it applies what arrived and notes when each version was
     applied. A subclass adds the rest of its step in `after_apply`."""
 
-    def __init__(self, name: str, endpoints: list[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        endpoints: list[str],
+        *,
+        model: str = "tiny",
+        server_public_key: str | None = None,
+        client_secret_key: str | None = None,
+    ) -> None:
         self.name = name
         self.limiter = OutputRateLimiter(None)
         self._woken = threading.Event()
         self.client = PushClient(
             endpoints=endpoints,
             engine_id=name,
-            model="tiny",
-            server_public_key=None,
+            model=model,
+            server_public_key=server_public_key,
+            client_secret_key=client_secret_key,
             wake=self._woken.set,
         )
         # version -> when it was applied (time.monotonic)
@@ -160,6 +169,16 @@ class ApplyingEngine:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    def wait_applied(self, version: int, timeout_s: float = 60.0) -> float:
+        """When (time.monotonic) `version` was applied, waiting for it at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (at := self.applied_at.get(version)) is None:
+            assert time.monotonic() < deadline, (
+                f"{self.name} stuck at version {self.client.applied_version}, not {version}"
+            )
+            time.sleep(0.0005)
+        return at
 
     def after_apply(self, now: float) -> None:
         """The rest of the engine thread's step (`now`: time.monotonic)."""
