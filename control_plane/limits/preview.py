@@ -150,13 +150,6 @@ def _cut_key(before: int | None, after: int | None) -> float:
     return 0.0 if before is None or after is None else after / before
 
 
-def _same_record(before: UserRecord | None, after: UserRecord | None) -> bool:
-    """The write leaves the stored record as it is (its version aside)."""
-    if before is None or after is None:
-        return before is after
-    return before._replace(version=0) == after._replace(version=0)
-
-
 def build(
     *,
     version: int,
@@ -205,7 +198,8 @@ def build(
         }
         num_created += created
         num_dropped += dropped
-        num_kept += _same_record(c.before, c.after)
+        # The write's own rule for a record it leaves as it is (a bulk write skips those).
+        num_kept += limits.record_values(c.before) == limits.record_values(c.after)
         if change == "down":
             num_over += bool(last_hour and last_hour["num_minutes_over_new_limit"])
             downs.append((_cut_key(old_held, new_held), c.user, item))

@@ -125,8 +125,9 @@ def tier_view(tier: repo.TierRow) -> TierOut:
     )
 
 
-def _user_record(record: UserRecord | None) -> dict[str, Any] | None:
-    """A user's record as the audit log and the merge patch see it."""
+def record_values(record: UserRecord | None) -> dict[str, Any] | None:
+    """A user's record as the audit log, the merge patch and a preview compare it (its
+    version aside)."""
     if record is None:
         return None
     return {
@@ -457,7 +458,7 @@ def patch_limit(
 
 def patched_item(record: UserRecord | None, user: str, changes: dict[str, Any]) -> UserItem:
     """The record a merge patch of `changes` makes of `record` (None: not configured)."""
-    current = _user_record(record) or _item_record(UserItem(user, None, None))
+    current = record_values(record) or _item_record(UserItem(user, None, None))
     merged = {**current, **changes}
     return UserItem(
         user,
@@ -480,7 +481,7 @@ def _set_user(
 ) -> ConfigChange[LimitOut]:
     """Write the user's new record (if it differs) as one version; return its view."""
     user = item.user
-    before = _user_record(record)
+    before = record_values(record)
     after = _item_record(item)
     version = None
     if before != after:
@@ -527,7 +528,7 @@ def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[Non
         actor=actor,
         action="delete_limit",
         target=user_target(user),
-        before=_user_record(record),
+        before=record_values(record),
         after=None,
         ops=[p.DeleteUser(user=user)],
         new_users=-1,
@@ -593,7 +594,7 @@ def bulk_put_limits(
     check_bulk(BulkInput(items, lines, problems), repo.tier_limits(conn))
     users = [item.user for item in items]
     existing = repo.get_users(conn, users)
-    changed = [i for i in items if _user_record(existing.get(i.user)) != _item_record(i)]
+    changed = [i for i in items if record_values(existing.get(i.user)) != _item_record(i)]
     if not changed:
         return ConfigChange(BulkOut(version=state.version, num_changed=0), None)
     num_new = sum(1 for i in changed if i.user not in existing)
@@ -604,7 +605,7 @@ def bulk_put_limits(
         action="bulk_put_limits",
         target=bulk_target(len(changed)),
         # One entry for one version, with every changed user's record before and after.
-        before={i.user: _user_record(existing.get(i.user)) for i in changed},
+        before={i.user: record_values(existing.get(i.user)) for i in changed},
         after={i.user: _item_record(i) for i in changed},
         ops=[_set_user_op(i) for i in changed],
         new_users=num_new,
