@@ -104,6 +104,9 @@ function markerPlugin(getMarks) {
   };
 }
 
+// CSS px from the plot's right edge to the end labels (the leaders run between).
+const LABEL_GAP = 14;
+
 // Each line's name at its last drawn point, in the right margin, pushed apart so that
 // lines ending close together (eight users at 94-98 %) keep readable labels.
 function endLabelPlugin(getLabels) {
@@ -138,7 +141,7 @@ function endLabelPlugin(getLabels) {
           ctx.textBaseline = "middle";
           ctx.textAlign = "left";
           const edge = u.bbox.left + u.bbox.width;
-          const x = edge + 14 * px;
+          const x = edge + LABEL_GAP * px;
           ctx.lineWidth = px;
           for (const { y, at, text, colour } of labels) {
             // A leader from the line's end to its label, where the label was pushed away:
@@ -306,10 +309,10 @@ export function historyChart({
   function draw(opts, data) {
     if (plot) plot.destroy();
     const box = size(plotBox);
-    // Room on the right for the labels at the lines' ends (about 6.5 px a character at
-    // 11 px), at most a third of the width.
+    // Room on the right for the labels at the lines' ends: their gap, about 6.5 px a
+    // character at 11 px and 10 px to spare; at most a third of the width.
     const longest = Math.max(0, ...labels.map((l) => l.text.length));
-    const room = Math.min(Math.round(box.width / 3), 24 + Math.ceil(6.5 * longest));
+    const room = Math.min(Math.round(box.width / 3), LABEL_GAP + 10 + Math.ceil(6.5 * longest));
     plot = new uPlot(
       {
         ...box,
