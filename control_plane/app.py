@@ -20,12 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane import __version__, routes
 from control_plane.audit import routes as audit_routes
 from control_plane.db import Database, make_engine
-from control_plane.deps import AppState
+from control_plane.deps import AppState, FleetView, UsageSource
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.fleet.coordinator import FleetCoordinator
-from control_plane.fleet.view import CurrentFleet, FleetView, NoFleet
+from control_plane.fleet.view import CurrentFleet, NoFleet
 from control_plane.keys import routes as key_routes
 from control_plane.keys.bucket import TokenBucket
 from control_plane.keys.last_used import KeyUseRecorder
@@ -45,7 +45,7 @@ from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
 from control_plane.tokens import routes as token_routes
 from control_plane.usage import routes as usage_routes
-from control_plane.usage.book import NoUsage, UsageBook, UsageSource
+from control_plane.usage.book import NoUsage, UsageBook
 from control_plane.usage.history import UsageRecorder
 from control_plane.usage.metrics import UsageCollector
 

@@ -35,14 +35,14 @@ from sqlalchemy import Connection, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from control_plane.db import Database, service
+from control_plane.deps import UserUsage
+from control_plane.fencing import LEADER, Term, current_token, database_now
 from control_plane.models import FleetSharesRow, LiveUsageRow, ReplicaLease, table
-from control_plane.replicas.lease import LEADER, Term, current_token, database_now
 from control_plane.usage.book import (
     WINDOW_S,
     EngineWindow,
     Interval,
     UsageBook,
-    UserUsage,
     combine,
     rate_1s_of,
 )

@@ -7,11 +7,12 @@ from datetime import UTC, datetime
 from sqlalchemy import Connection
 
 from control_plane.db import service
+from control_plane.deps import UsageSource, UserUsage
 from control_plane.errors import InvalidInput
+from control_plane.fencing import LEADER, check_fence
 from control_plane.limits import service as limits
-from control_plane.replicas.lease import LEADER, check_fence
 from control_plane.usage import repository as repo
-from control_plane.usage.book import UsageSource, UserUsage, would_throttle_fraction
+from control_plane.usage.book import would_throttle_fraction
 from control_plane.usage.schemas import (
     FleetHistory,
     HistorySeries,

@@ -12,9 +12,8 @@ from sqlalchemy import Connection, create_engine, text
 
 from control_plane.app import create_app
 from control_plane.cli import upgrade
-from control_plane.fleet.view import FleetView
+from control_plane.deps import FleetView, UsageSource
 from control_plane.settings import Settings
-from control_plane.usage.book import UsageSource
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 ADMIN_TOKEN = "admin-secret-token"
