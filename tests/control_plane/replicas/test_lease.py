@@ -16,8 +16,7 @@ from sqlalchemy import text
 from control_plane import fencing
 from control_plane.db import Database, make_engine
 from control_plane.replicas import lease
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
+from harness.control_plane import Served, fresh_database, serve
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ from control_plane.models import LiveUsageRow, table
 from control_plane.replicas import lease
 from control_plane.replicas.live_usage import FleetUsage
 from control_plane.usage.book import UsageBook
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import FakeClock, fresh_database
+from tests.control_plane.factories import FakeClock
 
 
 @pytest.fixture

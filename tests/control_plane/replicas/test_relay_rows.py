@@ -19,8 +19,8 @@ from control_plane.engines import service as engines
 from control_plane.models import FleetRelayRow, table
 from control_plane.replicas import lease
 from control_plane.replicas import relay as r
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
 
 TIMEOUT_S = 5.0
 
