@@ -157,7 +157,7 @@ class RemoteRow:
 
 class SharesTable(msgspec.Struct, array_like=True, frozen=True):
     """The leader's shares: user -> engine id -> milli-tokens/s it may be enforcing, and
-    engine id -> the users it holds a share for (fleet/view.py, FleetView)."""
+    engine id -> the users it holds a share for (control_plane/deps.py, FleetView)."""
 
     shares: dict[str, dict[str, int]] = {}
     num_shared: dict[str, int] = {}
@@ -276,7 +276,7 @@ class _Remote:
 
 
 class FleetUsage:
-    """The usage source of a replica (control_plane/usage/book.py, UsageSource): its own
+    """The usage source of a replica (control_plane/deps.py, UsageSource): its own
     book merged with the other replicas' windows."""
 
     def __init__(

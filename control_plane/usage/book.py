@@ -1,5 +1,5 @@
 """Live usage reported by engines, aggregated for GET /usage and /metrics: the book the
-push server hands every report to, and what readers of live usage see of it.
+push server hands every report to, which readers see as a `UsageSource` (control_plane/deps.py).
 
 Each engine reports, about once a second, the output tokens it granted, the
 request-steps it refused and the request-steps a shadow limit would have refused (it
