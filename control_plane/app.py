@@ -60,12 +60,6 @@ INSECURE_WARNING = (
 )
 
 
-def _field_name(loc: Sequence[Any]) -> str:
-    """("body", "items", 3, "tier") -> "items.3.tier"; a malformed body is "body"."""
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "path", "query") else []
-    return ".".join(parts) or (str(loc[0]) if loc else "body")
-
-
 def create_app(
     settings: Settings,
     *,
@@ -148,6 +142,12 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     detail = "; ".join(f"{e['field']}: {e['msg']}" for e in errors) or "invalid input"
     field = errors[0]["field"] if errors else None
     return JSONResponse({"detail": detail, "field": field, "errors": errors}, status_code=422)
+
+
+def _field_name(loc: Sequence[Any]) -> str:
+    """("body", "items", 3, "tier") -> "items.3.tier"; a malformed body is "body"."""
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "path", "query") else []
+    return ".".join(parts) or (str(loc[0]) if loc else "body")
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
