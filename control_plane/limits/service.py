@@ -24,8 +24,8 @@ from control_plane.audit.targets import (
     user_target,
 )
 from control_plane.db import ConfigChange, service
+from control_plane.deps import FleetView, UsageSource
 from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
-from control_plane.fleet.view import FleetView
 from control_plane.limits import repository as repo
 from control_plane.limits.repository import State, TierLimit, UserRecord
 from control_plane.limits.schemas import (
@@ -39,7 +39,6 @@ from control_plane.limits.schemas import (
     TierList,
     TierOut,
 )
-from control_plane.usage.book import UsageSource
 from output_rate_core import protocol as p
 from output_rate_core.limits import (
     FLEET,

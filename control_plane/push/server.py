@@ -52,11 +52,11 @@ import zmq
 
 from control_plane.db import Database
 from control_plane.engines import service as engines
+from control_plane.fencing import NotLeader, Term, fleet_work_token
 from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.keys import service as keys
 from control_plane.limits import service as limits
 from control_plane.push import keys as push_keys
-from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.replicas.relay import DOWN, FleetRelay
 from control_plane.settings import DEFAULT_ENGINE_RETENTION_S, DEFAULT_ENGINE_TIMEOUT_S, Settings
 from control_plane.usage.book import UsageBook

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 from control_plane.db import Database
+from control_plane.fencing import NotLeader, Term, fleet_work_token
 from control_plane.limits import service as limits
-from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals

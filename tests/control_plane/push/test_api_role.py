@@ -28,10 +28,10 @@ from control_plane.keys.last_used import KeyUseRecorder
 from control_plane.limits import service as limits
 from control_plane.push.server import PushServer
 from control_plane.usage.book import UsageBook
+from harness.control_plane import ADMIN_TOKEN, fresh_database, serve
 from output_rate_core import keys as key_format
 from output_rate_core import protocol as p
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database, make_settings
-from tests.control_plane.served import serve
+from tests.control_plane.factories import make_settings
 
 WAIT_S = 20.0
 BUCKET = TokenBucket(per_minute=1_000_000, burst=1_000_000)

@@ -21,8 +21,8 @@ from control_plane.limits import service as limits
 from control_plane.push.server import PushServer
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import LimitTable, PushClient
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
 
 WAIT_S = 20.0
 
@@ -311,7 +311,8 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from control_plane.app import create_served_app
-    from tests.control_plane.factories import ADMIN_TOKEN, make_settings
+    from harness.control_plane import ADMIN_TOKEN
+    from tests.control_plane.factories import make_settings
 
     with fresh_database("sqlite", tmp_path) as url:
         settings = make_settings(url, zmq_endpoint="tcp://127.0.0.1:0", engine_timeout_s=1.5)

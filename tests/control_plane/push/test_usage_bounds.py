@@ -28,9 +28,8 @@ from control_plane.models import UsageMinute, table
 from control_plane.usage.book import USAGE_BURST_S
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
 
 R = p.MAX_ENGINE_TOKENS_PER_S
 USAGE_MINUTES = table(UsageMinute)
