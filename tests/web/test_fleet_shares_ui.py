@@ -17,9 +17,9 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
+from harness.applying_engine import ApplyingEngine
+from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import ApplyingEngine
 from tests.web.browser import watched_page
 
 HEADERS = ControlPlane.auth_headers()
