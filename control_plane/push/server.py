@@ -1,30 +1,24 @@
 """Control-plane side of the live push: the ROUTER socket engines connect to.
 
-One thread owns the socket. It decodes what engines send and routes each message, by
-its type, to the part that owns what it changes, which sends what follows through the
-outbox; no database call runs on it. The parts, each owning its state:
+One thread owns the socket and only moves bytes: it decodes what engines send and hands
+each message to the dispatcher; the parts send what follows through the outbox. No
+database call runs on it: reads and writes go to two threads of their own, whose results
+come back through a queue and the wake-up socket. The parts, each owning its state:
 
-- ``peers.py``: who is who (binding a connection to an engine id and role, trust);
-- ``publisher.py``: what each connection is sent: a snapshot, then every committed change
-  in version order, heartbeats after;
-- ``log_reader.py``: every read of the configuration (the change log, snapshots), on a
-  thread of its own; writers wake it through ``notify`` right after their commit, and a
-  poll of the log every ``poll_interval_s`` is the safety net;
-- ``leadership.py``: the fleet allocator (with replicas, the leader's, and the relay);
-- ``status.py``: the engine rows (GET /engines), written by a thread of its own.
-
-The two threads hand their results back through a queue and the wake-up socket.
+- ``dispatch.py``: what an engine's message does (a table keyed by its type); binding;
+- ``peers.py``: who is who (connections bound to an engine id and role; trust);
+- ``publisher.py``: what each connection is sent: a snapshot first, then every committed
+  change in version order, heartbeats after;
+- ``log_reader.py``: every read of the configuration (the change log, snapshots), on its
+  thread; writers wake it through ``notify`` right after their commit, and a poll of the
+  log every ``poll_interval_s`` is the safety net;
+- ``leadership.py``: the fleet allocator (with replicas, the leader's; the relay);
+- ``status.py``: the engine rows (GET /engines), on its thread;
+- ``outbox.py``: the one send path.
 
 Security: with a secret key the endpoint is a CURVE server; engines must know its public
 key. With ``client_public_keys`` a ZAP handler admits only those engine keys; a peer with
 another key completes no handshake, so it neither reads limits nor reports anything.
-ACK, HEARTBEAT and USAGE count only from a bound connection under its own id
-(docs/live-push.md, "Trust model").
-
-Roles (docs/control-plane.md, "API keys"): an engine core (role "engine") gets the
-limits; its API server (role "api", the same engine id) gets the API keys only. An API
-server is no fleet member and sends no usage or demand; it may report its keys' last use
-(KEY_USE), which goes to ``key_uses``.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
 from typing import Any
 
 import zmq
@@ -42,11 +35,12 @@ import zmq
 from control_plane.db import Database
 from control_plane.fleet.coordinator import FleetCoordinator
 from control_plane.push import keys as push_keys
+from control_plane.push.dispatch import Dispatcher
 from control_plane.push.drops import DropLog
 from control_plane.push.leadership import FleetLeadership
 from control_plane.push.log_reader import LogRead, LogReader
 from control_plane.push.outbox import Outbox
-from control_plane.push.peers import MAX_HELD_MESSAGES, Peer, PeerTable
+from control_plane.push.peers import PeerTable
 from control_plane.push.publisher import Publisher
 from control_plane.push.status import StatusWriter
 from control_plane.replicas.lease import Term
@@ -65,14 +59,6 @@ PEER_SEND_HWM = 64
 MAX_MESSAGES_PER_DRAIN = 1000
 # How long a closing server's socket keeps trying to deliver its goodbyes.
 GOODBYE_LINGER_MS = 500
-# What binds a connection this server does not know: HELLO, and a HEARTBEAT or RESYNC
-# (this server restarted; the engine's socket redialled without a HELLO).
-BINDING = (p.Hello, p.Heartbeat, p.Resync)
-# What only an engine core sends (an API server is no fleet member).
-ENGINE_CORE_ONLY = (p.Usage, p.Demand, p.ShareAck)
-
-# What a bound connection's message does: (identity, peer, message, now).
-Handler = Callable[[bytes, Peer, Any, float], None]
 
 
 class _AllowedKeys:
@@ -122,17 +108,13 @@ class PushServer:
             self._client_keys = dict.fromkeys(client_public_keys)
         self._heartbeat_interval_s = heartbeat_interval_s
         self._poll_interval_s = poll_interval_s
-        # Where usage reports go (None: nobody reads them; they are dropped).
-        self._usage = usage
-        # Where API servers' key-use reports go (None: nobody records them).
-        self._key_uses = key_uses
         self.drops = DropLog()
         self.peers = PeerTable(
             self.drops,
             client_keys=self._client_keys if secret_key is not None else None,
             engine_timeout_s=engine_timeout_s,
         )
-        self.outbox = outbox or Outbox()
+        self.outbox = Outbox() if outbox is None else outbox
         self.reader = LogReader(
             db, wake=self.wake, on_read=self._on_read, engine_timeout_s=engine_timeout_s
         )
@@ -160,18 +142,15 @@ class PushServer:
             engine_retention_s=engine_retention_s,
             term=term,
         )
-        # message type -> what it does from a bound connection (the server's own types
-        # are missing: an engine does not send them)
-        self._handlers: dict[type[p.Message], Handler] = {
-            p.Hello: self._on_hello,
-            p.Resync: self._on_resync,
-            p.Ack: self._on_ack,
-            p.Heartbeat: self._on_heartbeat,
-            p.Usage: self._on_usage,
-            p.KeyUse: self._on_key_use,
-            p.Demand: self._on_fleet_frame,
-            p.ShareAck: self._on_fleet_frame,
-        }
+        self._dispatcher = Dispatcher(
+            peers=self.peers,
+            publisher=self.publisher,
+            leadership=self.leadership,
+            status=self.status,
+            drops=self.drops,
+            usage=usage,
+            key_uses=key_uses,
+        )
         self._context = zmq.Context()
         self._authenticator: Any = None
         self._wake_address = f"inproc://output-rate-wake-{id(self)}"
@@ -378,122 +357,7 @@ class PushServer:
                 self.drops.note("malformed", str(e)[:200])
                 continue
             key = frame.get("User-Id") if self._secret_key is not None else None
-            self._route(identity, message, str(key) if key else None)
-
-    def _route(self, identity: bytes, message: p.Message, key: str | None) -> None:
-        handle = self._handlers.get(type(message))
-        if handle is None:
-            self.drops.note("server-only message from an engine")
-            return
-        now = time.monotonic()
-        peer = self.peers.get(identity)
-        if peer is None:
-            self._on_unbound(identity, message, key, now)
-        elif self._speaks_for(peer, message):
-            handle(identity, peer, message, now)
-            peer.last_seen = now
-            self.leadership.heard(peer)
-            self.status.touch(identity)
-
-    def _speaks_for(self, peer: Peer, message: p.Message) -> bool:
-        """Whether a bound connection's message counts: under its own engine id and
-        role, of a type its role sends (a refusal is logged and counted)."""
-        claimed = getattr(message, "engine_id", peer.engine_id) or peer.engine_id
-        if claimed != peer.engine_id:
-            self.drops.note(
-                "engine id other than the connection's",
-                f"{peer.engine_id!r} sent {type(message).__name__} as {claimed!r}",
-            )
-            return False
-        if getattr(message, "role", peer.role) != peer.role:
-            self.drops.note(
-                "role other than the connection's",
-                f"{peer.engine_id!r} ({peer.role}) sent {type(message).__name__} as "
-                f"{getattr(message, 'role', '')!r}",
-            )
-            return False
-        if peer.role == p.API_ROLE and isinstance(message, ENGINE_CORE_ONLY):
-            self.drops.note("engine-core message from an API server", type(message).__name__)
-            return False
-        if peer.role == p.ENGINE_ROLE and isinstance(message, p.KeyUse):
-            self.drops.note("key use from an engine core", repr(peer.engine_id))
-            return False
-        return True
-
-    # ---- binding ----------------------------------------------------------
-
-    def _on_unbound(self, identity: bytes, message: p.Message, key: str | None, now: float) -> None:
-        pending = self.peers.pending(identity)
-        if pending is not None:
-            # The database decides its bind: this waits for the answer.
-            if len(pending.held) < MAX_HELD_MESSAGES:
-                pending.held.append(message)
-            else:
-                self.drops.note("message while the bind is decided", f"at most {MAX_HELD_MESSAGES}")
-            return
-        if not isinstance(message, BINDING) or not message.engine_id:
-            self.drops.note("message from a connection that said no HELLO")
-            return
-        engine_id, role = message.engine_id, message.role
-        model = message.model if isinstance(message, p.Hello | p.Heartbeat) else ""
-        if not self.peers.admit(engine_id, role, key, now):
-            return
-        if self.status.claims:
-            self.peers.hold(identity, engine_id, role, model, key)
-            self.status.claim(engine_id, role, partial(self._claimed, identity))
-            return
-        self._bound(identity, self.peers.bind(identity, engine_id, role, model, key, now), now)
-
-    def _claimed(self, identity: bytes, claimed: bool) -> None:
-        pending = self.peers.settle(identity)
-        now = time.monotonic()
-        if claimed:
-            peer = self.peers.bind(
-                identity, pending.engine_id, pending.role, pending.model, pending.key, now
-            )
-            self._bound(identity, peer, now)
-        for message in pending.held:
-            self._route(identity, message, pending.key)
-
-    def _bound(self, identity: bytes, peer: Peer, now: float) -> None:
-        if peer.proven:
-            self.status.touch(identity)  # a known engine's row says connected at once
-        self.publisher.send_snapshot(identity, peer, now)
-
-    # ---- what a bound connection says -------------------------------------
-
-    def _on_hello(self, identity: bytes, peer: Peer, message: p.Hello, now: float) -> None:
-        # A repeated HELLO, like queued RESYNCs (after our restart they arrive in a
-        # burst): one snapshot per SNAPSHOT_MIN_INTERVAL_S answers them all; an engine
-        # that missed it asks again later.
-        if message.model:
-            peer.model = message.model
-        self.publisher.ask_snapshot(identity, peer, now)
-
-    def _on_resync(self, identity: bytes, peer: Peer, message: p.Resync, now: float) -> None:
-        self.publisher.ask_snapshot(identity, peer, now)
-
-    def _on_ack(self, identity: bytes, peer: Peer, message: p.Ack, now: float) -> None:
-        if self.publisher.acked(peer, message.version):
-            self.peers.prove(peer)
-
-    def _on_heartbeat(self, identity: bytes, peer: Peer, message: p.Heartbeat, now: float) -> None:
-        self.publisher.applied(peer, message.version)
-
-    def _on_usage(self, identity: bytes, peer: Peer, message: p.Usage, now: float) -> None:
-        if self._usage is not None:
-            self._usage.add(message, engine_id=peer.engine_id)
-
-    def _on_key_use(self, identity: bytes, peer: Peer, message: p.KeyUse, now: float) -> None:
-        if self._key_uses is not None:
-            self._key_uses(message.used)
-
-    def _on_fleet_frame(
-        self, identity: bytes, peer: Peer, message: p.Demand | p.ShareAck, now: float
-    ) -> None:
-        self.leadership.on_frame(peer, message)
-
-    # ---- the rest of a loop turn ------------------------------------------
+            self._dispatcher.route(identity, message, str(key) if key else None)
 
     def _on_read(self, read: LogRead) -> None:
         self.leadership.on_log(read.newest)
