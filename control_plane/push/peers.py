@@ -130,9 +130,6 @@ class PeerTable:
         """The bound peers now (any thread: one copy under the GIL)."""
         return list(self._peers.values())
 
-    def __len__(self) -> int:
-        return len(self._peers)
-
     # ---- binding ------------------------------------------------------------------
 
     def know(self, engine_ids: set[str]) -> None:
