@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.push.server import STATUS_REFRESH_S
+from control_plane.push.status import STATUS_REFRESH_S
 from harness.control_plane import fresh_database, serve
 from tests.control_plane.push.test_trust import RealEngine, engine_row, wait_for
 

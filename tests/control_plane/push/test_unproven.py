@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 
-from control_plane.push.server import MAX_UNPROVEN_PEERS
+from control_plane.push.peers import MAX_UNPROVEN_PEERS
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
 from harness.control_plane import Served, fresh_database, serve
