@@ -8,12 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Connection
 
+from control_plane.config import service as config
 from control_plane.db import service
 from control_plane.engines import repository as repo
 from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fleet.view import FleetView, NoFleet
-from control_plane.limits import service as limits
 from control_plane.replicas.lease import LEADER, check_fence, database_now
 from output_rate_core import protocol as p
 
@@ -69,7 +69,7 @@ def list_engines(
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s
     ]
-    return EngineList(version=limits.current_version(conn), items=items)
+    return EngineList(version=config.current_version(conn), items=items)
 
 
 @service("write")

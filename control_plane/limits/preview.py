@@ -29,10 +29,12 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from control_plane.config import service as config
+from control_plane.config.repository import TierLimit
 from control_plane.db import service
 from control_plane.limits import repository as repo
 from control_plane.limits import service as limits
-from control_plane.limits.repository import TierLimit, UserRecord
+from control_plane.limits.repository import UserRecord
 from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
 from control_plane.limits.service import BulkInput, UserItem
 from control_plane.usage import repository as usage
@@ -229,9 +231,9 @@ def build(
 
 
 def _world(conn: Connection) -> tuple[int, World]:
-    state = repo.get_config(conn)
+    state = config.state(conn)
     default = Default(state.default_rate, state.default_scope, state.default_enforcement)
-    return state.version, World(repo.tier_limits(conn), default)
+    return state.version, World(config.tier_limits(conn), default)
 
 
 def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:

@@ -1,5 +1,6 @@
-"""Limit queries: the config state, tiers, users and the change log. No rules here: the
-service decides, this module reads and writes rows.
+"""Limit queries: tiers, users, the default. No rules here: the service decides, this
+module reads and writes rows. The config row and the change log are the config log's
+(control_plane/config/repository.py); the one-statement reads here join its columns.
 
 SQLAlchemy Core on a Connection: the hot statements are built once at import (their
 compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
@@ -12,28 +13,22 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-import msgspec
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
+from control_plane.config.repository import (
+    CONFIG_ROW_ID,
+    STATE_COLUMNS,
+    State,
+    TierLimit,
+    config_state,
+    state_of,
+)
 from control_plane.db import one_of
-from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
-from output_rate_core import protocol as p
+from control_plane.models import Tier, UserLimit, table
 from output_rate_core.limits import Enforcement, Scope
 
-CONFIG_ROW_ID = 1
-
-config_state = table(ConfigState)
 tiers = table(Tier)
 user_limits = table(UserLimit)
-config_changes = table(ConfigChange)
-
-
-class State(NamedTuple):
-    version: int
-    default_rate: int | None
-    default_scope: Scope | None
-    num_users: int
-    default_enforcement: Enforcement | None = None
 
 
 class UserRecord(NamedTuple):
@@ -47,62 +42,7 @@ class UserRecord(NamedTuple):
     enforcement: Enforcement | None = None
 
 
-class TierLimit(NamedTuple):
-    """What a tier gives its users: its rate (None: unlimited), its scope and enforcement
-    (None: inherit)."""
-
-    rate: int | None
-    scope: Scope | None
-    enforcement: Enforcement | None = None
-
-
-def _state(row: Any) -> State:
-    assert row is not None, "config_state row is created by the initial migration"
-    return State._make(row)
-
-
-# ---- config state ------------------------------------------------------------
-
-_STATE_COLUMNS = (
-    config_state.c.version,
-    config_state.c.default_rate,
-    config_state.c.default_scope,
-    config_state.c.num_users,
-    config_state.c.default_enforcement,
-)
-_GET_STATE = select(*_STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
-# The no-op UPDATE is the first statement of every write transaction: on PostgreSQL it
-# takes the config row's lock, so concurrent writers queue before they read anything
-# they will change (SQLite writers already hold the lock from BEGIN IMMEDIATE).
-_LOCK_STATE = (
-    update(config_state)
-    .where(config_state.c.id == CONFIG_ROW_ID)
-    .values(version=config_state.c.version)
-    .returning(*_STATE_COLUMNS)
-)
-_BUMP_STATE = (
-    update(config_state)
-    .where(config_state.c.id == CONFIG_ROW_ID)
-    .values(
-        version=bindparam("new_version"),
-        num_users=config_state.c.num_users + bindparam("new_users"),
-        updated_at=bindparam("now"),
-    )
-)
-
-
-def lock_config(conn: Connection) -> State:
-    return _state(conn.execute(_LOCK_STATE).one_or_none())
-
-
-def get_config(conn: Connection) -> State:
-    return _state(conn.execute(_GET_STATE).one_or_none())
-
-
-def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
-    conn.execute(
-        _BUMP_STATE, {"new_version": version, "new_users": new_users, "now": datetime.now(UTC)}
-    )
+# ---- the default ---------------------------------------------------------------
 
 
 def set_default(
@@ -129,7 +69,7 @@ class LimitRow(NamedTuple):
 
 _GET_LIMIT = (
     select(
-        *_STATE_COLUMNS,
+        *STATE_COLUMNS,
         user_limits.c.tier,
         user_limits.c.rate,
         user_limits.c.scope,
@@ -151,8 +91,8 @@ _GET_LIMIT = (
 def get_limit_row(conn: Connection, user: str) -> LimitRow:
     row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
     assert row is not None, "config_state row is created by the initial migration"
-    num_state = len(_STATE_COLUMNS)
-    state = _state(row[:num_state])
+    num_state = len(STATE_COLUMNS)
+    state = state_of(row[:num_state])
     tier, rate, scope, version, enforcement, *tier_limit = row[num_state:]
     record = None if version is None else UserRecord(tier, rate, scope, version, enforcement)
     return LimitRow(state, record, None if tier is None else TierLimit(*tier_limit))
@@ -195,11 +135,6 @@ def get_tier(conn: Connection, name: str) -> TierRow | None:
 
 def list_tiers(conn: Connection) -> list[TierRow]:
     return [TierRow(*r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
-
-
-def tier_limits(conn: Connection) -> dict[str, TierLimit]:
-    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement))
-    return {name: TierLimit(rate, scope, mode) for name, rate, scope, mode in rows}
 
 
 def insert_tier(
@@ -359,36 +294,6 @@ def delete_user(conn: Connection, user: str) -> None:
     conn.execute(_DELETE_USER, {"user": user})
 
 
-class AllUsers(NamedTuple):
-    """Every configured user, as a snapshot carries them."""
-
-    # user -> (tier, override rate)
-    records: dict[str, tuple[str | None, int | None]]
-    # user -> its own scope / enforcement (users that inherit are left out)
-    scopes: dict[str, Scope]
-    enforcements: dict[str, Enforcement]
-
-
-def all_users(conn: Connection) -> AllUsers:
-    columns = (
-        user_limits.c.user,
-        user_limits.c.tier,
-        user_limits.c.rate,
-        user_limits.c.scope,
-        user_limits.c.enforcement,
-    )
-    records: dict[str, tuple[str | None, int | None]] = {}
-    scopes: dict[str, Scope] = {}
-    enforcements: dict[str, Enforcement] = {}
-    for user, tier, rate, scope, enforcement in conn.execute(select(*columns)):
-        records[user] = (tier, rate)
-        if scope is not None:
-            scopes[user] = scope
-        if enforcement is not None:
-            enforcements[user] = enforcement
-    return AllUsers(records, scopes, enforcements)
-
-
 def prefix_upper_bound(prefix: str) -> str | None:
     """The smallest string above every string that starts with `prefix` (None: unbounded)."""
     chars = list(prefix)
@@ -462,23 +367,3 @@ def count_users(
         select(func.count()).select_from(user_limits), tier=tier, prefix=prefix, contains=contains
     )
     return int(conn.execute(query).scalar() or 0)
-
-
-# ---- change log ----------------------------------------------------
-
-_INSERT_CHANGE = insert(config_changes)
-
-
-def add_change(conn: Connection, *, version: int, ops: list[p.Op]) -> None:
-    """The change-log row of ``version``: its ops as the wire protocol's JSON."""
-    rows = msgspec.to_builtins(ops)
-    conn.execute(_INSERT_CHANGE, {"version": version, "ops": rows, "at": datetime.now(UTC)})
-
-
-def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    query = (
-        select(config_changes.c.version, config_changes.c.ops)
-        .where(config_changes.c.version > version)
-        .order_by(config_changes.c.version)
-    )
-    return [(v, ops) for v, ops in conn.execute(query)]

@@ -1,7 +1,7 @@
-"""The rules of the limit model. Every write bumps the config version once, in the same
-transaction as the change, its audit entry and its change-log row; a write that changes
-nothing writes nothing. A write of the configuration returns a `ConfigChange`: its view
-and the version it made.
+"""The rules of the limit model. Every write commits through the config log
+(control_plane/config/): the version bumped once, in the same transaction as the change,
+its audit entry and its change-log row; a write that changes nothing writes nothing. A
+write of the configuration returns a `ConfigChange`: its view and the version it made.
 
 Each function takes the Connection of one transaction (control_plane.db.Database runs
 it where its `@service` policy says); the caller commits."""
@@ -18,16 +18,17 @@ from sqlalchemy import Connection
 from control_plane.audit import service as audit
 from control_plane.audit.targets import (
     DEFAULT_TARGET,
-    AuditTarget,
     bulk_target,
     tier_target,
     user_target,
 )
+from control_plane.config import service as config
+from control_plane.config.repository import State, TierLimit
 from control_plane.db import ConfigChange, service
 from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
 from control_plane.fleet.view import FleetView
 from control_plane.limits import repository as repo
-from control_plane.limits.repository import State, TierLimit, UserRecord
+from control_plane.limits.repository import UserRecord
 from control_plane.limits.schemas import (
     MAX_BULK_ITEMS,
     BulkOut,
@@ -196,7 +197,7 @@ def list_limits(
 ) -> LimitPage:
     """A page of configured users in user-id order. `total` counts every user that
     matches `tier` and `prefix` (the cursor `after` and `offset` only move the page)."""
-    state = repo.get_config(conn)
+    state = config.state(conn)
     if after is not None and sort != "user":
         raise InvalidInput(
             "after: only with sort=user (use offset with other sorts)", field="after"
@@ -219,7 +220,7 @@ def list_limits(
         total = tier_row.num_users if tier_row else 0
     else:
         total = state.num_users
-    tier_limits = repo.tier_limits(conn)
+    tier_limits = config.tier_limits(conn)
     items = [
         limit_view(
             user=user,
@@ -234,8 +235,8 @@ def list_limits(
 
 def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
     """Each user's effective rate (None: unlimited)."""
-    state = repo.get_config(conn)
-    tier_limits = repo.tier_limits(conn)
+    state = config.state(conn)
+    tier_limits = config.tier_limits(conn)
     records = repo.get_users(conn, users)
     result: dict[str, int | None] = {}
     for user in users:
@@ -257,7 +258,7 @@ def tiers_of(conn: Connection, users: Sequence[str]) -> dict[str, str | None]:
 
 
 def user_counts(conn: Connection) -> UserCounts:
-    state = repo.get_config(conn)
+    state = config.state(conn)
     return UserCounts(
         version=state.version,
         default_rate=state.default_rate,
@@ -278,7 +279,7 @@ def get_tier(conn: Connection, *, name: str) -> TierOut:
 
 @service("read")
 def get_default(conn: Connection) -> DefaultOut:
-    return _default_view(repo.get_config(conn))
+    return _default_view(config.state(conn))
 
 
 def _default_view(state: State) -> DefaultOut:
@@ -290,99 +291,7 @@ def _default_view(state: State) -> DefaultOut:
     )
 
 
-@service("read")
-def current_version(conn: Connection) -> int:
-    return repo.get_config(conn).version
-
-
-@service("read")
-def load_snapshot(conn: Connection) -> p.Snapshot:
-    """Version, default, tiers and users as of one instant, as engines receive them.
-
-    PostgreSQL runs the reads in one REPEATABLE READ transaction (so a concurrent write
-    is wholly in the snapshot or wholly after its version); one SQLite read transaction
-    already sees a single snapshot. Give it a connection whose transaction has not begun.
-    """
-    if not conn.in_transaction() and conn.dialect.name == "postgresql":
-        conn.execution_options(isolation_level="REPEATABLE READ")
-    state = repo.get_config(conn)
-    tier_limits = repo.tier_limits(conn)
-    users = repo.all_users(conn)
-    return p.Snapshot(
-        version=state.version,
-        default_rate=state.default_rate,
-        tiers={name: tier.rate for name, tier in tier_limits.items()},
-        users=users.records,
-        default_scope=state.default_scope,
-        tier_scopes={name: t.scope for name, t in tier_limits.items() if t.scope is not None},
-        user_scopes=users.scopes,
-        default_enforcement=state.default_enforcement,
-        tier_enforcements={
-            name: t.enforcement for name, t in tier_limits.items() if t.enforcement is not None
-        },
-        user_enforcements=users.enforcements,
-    )
-
-
-@service("read")
-def load_changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    return repo.changes_since(conn, version)
-
-
 # ---- writes ----------------------------------------------------------------
-
-
-def _record(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    target: AuditTarget,
-    before: Any,
-    after: Any,
-    ops: list[p.Op],
-    new_users: int = 0,
-) -> int:
-    """The new version: bumped once, with its change-log row and its audit entry."""
-    version = state.version + 1
-    repo.bump_config(conn, version=version, new_users=new_users)
-    repo.add_change(conn, version=version, ops=ops)
-    audit.record(
-        conn,
-        version=version,
-        actor=actor,
-        action=action,
-        target=target,
-        before=before,
-        after=after,
-    )
-    return version
-
-
-def lock_config(conn: Connection) -> State:
-    """Take the writers' lock, as the first statement of a write of the configuration
-    (another domain's too: API keys), so that writers queue before they read what they
-    change; the state to pass to `record_change`."""
-    return repo.lock_config(conn)
-
-
-def record_change(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    target: AuditTarget,
-    before: Any,
-    after: Any,
-    ops: list[p.Op],
-) -> int:
-    """Another domain's config write (API keys): one new version after `state`, with its
-    change-log row and its audit entry, in the caller's transaction."""
-    return _record(
-        conn, state, actor=actor, action=action, target=target, before=before, after=after, ops=ops
-    )
 
 
 def tier_limit_of(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
@@ -417,7 +326,7 @@ def put_limit(
     scope: Scope | None = None,
     enforcement: Enforcement | None = None,
 ) -> ConfigChange[LimitOut]:
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     tier_limit = tier_limit_of(conn, tier)
     record = repo.get_user(conn, user)
     return _set_user(
@@ -439,7 +348,7 @@ def patch_limit(
     ("output_tokens_per_second", "tier", "scope", "enforcement") change; the others keep
     their value.
     A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     record = repo.get_user(conn, user)
     item = patched_item(record, user, changes)
     tier_limit = tier_limit_of(conn, item.tier)
@@ -485,16 +394,9 @@ def _set_user(
     after = _item_record(item)
     version = None
     if before != after:
-        version = _record(
-            conn,
-            state,
-            actor=actor,
-            action=action,
-            target=user_target(user),
-            before=before,
-            after=after,
-            ops=[_set_user_op(item)],
-            new_users=0 if record else 1,
+        entry = audit.Entry(actor, action, user_target(user), before, after)
+        version = config.commit(
+            conn, state, [_set_user_op(item)], entry, new_users=0 if record else 1
         )
         new_record = UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
         if record is None:
@@ -518,19 +420,15 @@ def _set_user_op(item: UserItem) -> p.SetUser:
 
 @service("write")
 def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[None]:
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     record = repo.get_user(conn, user)
     if record is None:
         return ConfigChange(None, None)
-    version = _record(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="delete_limit",
-        target=user_target(user),
-        before=record_values(record),
-        after=None,
-        ops=[p.DeleteUser(user=user)],
+        [p.DeleteUser(user=user)],
+        audit.Entry(actor, "delete_limit", user_target(user), record_values(record), None),
         new_users=-1,
     )
     repo.delete_user(conn, user)
@@ -590,24 +488,26 @@ def bulk_put_limits(
 ) -> ConfigChange[BulkOut]:
     """Apply up to MAX_BULK_ITEMS user records as one version (`lines` and `problems`:
     see BulkInput)."""
-    state = repo.lock_config(conn)
-    check_bulk(BulkInput(items, lines, problems), repo.tier_limits(conn))
+    state = config.lock(conn)
+    check_bulk(BulkInput(items, lines, problems), config.tier_limits(conn))
     users = [item.user for item in items]
     existing = repo.get_users(conn, users)
     changed = [i for i in items if record_values(existing.get(i.user)) != _item_record(i)]
     if not changed:
         return ConfigChange(BulkOut(version=state.version, num_changed=0), None)
     num_new = sum(1 for i in changed if i.user not in existing)
-    version = _record(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="bulk_put_limits",
-        target=bulk_target(len(changed)),
+        [_set_user_op(i) for i in changed],
         # One entry for one version, with every changed user's record before and after.
-        before={i.user: record_values(existing.get(i.user)) for i in changed},
-        after={i.user: _item_record(i) for i in changed},
-        ops=[_set_user_op(i) for i in changed],
+        audit.Entry(
+            actor,
+            "bulk_put_limits",
+            bulk_target(len(changed)),
+            {i.user: record_values(existing.get(i.user)) for i in changed},
+            {i.user: _item_record(i) for i in changed},
+        ),
         new_users=num_new,
     )
     records = [
@@ -632,7 +532,7 @@ def put_tier(
 ) -> ConfigChange[TierOut]:
     """Set a tier's rate, scope and enforcement (None: inherit the default's); a
     description of None keeps the one it had."""
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     tier = repo.get_tier(conn, name)
     new_description = description if description is not None else (tier.description if tier else "")
     return _set_tier(
@@ -655,7 +555,7 @@ def patch_tier(
     ("output_tokens_per_second", "scope", "enforcement", "description") change. A
     description of null is
     empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     tier = existing_tier(conn, name)
     limit = patched_tier_limit(tier, changes)
     description = changes.get("description", tier.description)
@@ -714,15 +614,11 @@ def _set_tier(
     if before == _tier_record(new_tier):
         assert tier is not None
         return ConfigChange(tier_view(tier), None)
-    version = _record(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action=action,
-        target=tier_target(name),
-        before=before,
-        after=_tier_record(new_tier),
-        ops=[p.SetTier(name=name, rate=rate, scope=scope, enforcement=enforcement)],
+        [p.SetTier(name=name, rate=rate, scope=scope, enforcement=enforcement)],
+        audit.Entry(actor, action, tier_target(name), before, _tier_record(new_tier)),
     )
     write = repo.insert_tier if tier is None else repo.update_tier
     write(
@@ -748,17 +644,13 @@ def deletable_tier(conn: Connection, name: str) -> repo.TierRow:
 
 @service("write")
 def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None]:
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     tier = deletable_tier(conn, name)
-    version = _record(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="delete_tier",
-        target=tier_target(name),
-        before=_tier_record(tier),
-        after=None,
-        ops=[p.DeleteTier(name=name)],
+        [p.DeleteTier(name=name)],
+        audit.Entry(actor, "delete_tier", tier_target(name), _tier_record(tier), None),
     )
     repo.delete_tier(conn, name)
     return ConfigChange(None, version)
@@ -774,7 +666,7 @@ def put_default(
     enforcement: Enforcement | None = None,
 ) -> ConfigChange[DefaultOut]:
     """Replace the default rate, scope (None: "fleet") and enforcement (None: "enforce")."""
-    state = repo.lock_config(conn)
+    state = config.lock(conn)
     before = {
         "output_tokens_per_second": state.default_rate,
         "scope": state.default_scope,
@@ -783,15 +675,11 @@ def put_default(
     after = {"output_tokens_per_second": rate, "scope": scope, "enforcement": enforcement}
     if before == after:
         return ConfigChange(_default_view(state), None)
-    version = _record(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="put_default",
-        target=DEFAULT_TARGET,
-        before=before,
-        after=after,
-        ops=[p.SetDefault(rate=rate, scope=scope, enforcement=enforcement)],
+        [p.SetDefault(rate=rate, scope=scope, enforcement=enforcement)],
+        audit.Entry(actor, "put_default", DEFAULT_TARGET, before, after),
     )
     repo.set_default(conn, rate, scope, enforcement)
     new_state = state._replace(

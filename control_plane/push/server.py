@@ -50,11 +50,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from control_plane.config import service as config
+from control_plane.config.follower import StoredLog
 from control_plane.db import Database
 from control_plane.engines import service as engines
 from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.keys import service as keys
-from control_plane.limits import service as limits
 from control_plane.push import keys as push_keys
 from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
 from control_plane.replicas.relay import DOWN, FleetRelay
@@ -608,10 +609,7 @@ class PushServer:
         live: list[str] = self._db.run_now(engines.live_engine_ids, within_s=self._share_lease_s)
         fleet.await_engines(live)
         # The limits now, not at the next read of the change log.
-        fleet.refresh(
-            lambda: self._db.run_now(limits.load_snapshot),
-            lambda version: self._db.run_now(limits.load_changes_since, version),
-        )
+        fleet.refresh(StoredLog(self._db))
         self.fleet = fleet
         self._fleet_token = term.token
         self._home_of.clear()
@@ -761,14 +759,14 @@ class PushServer:
         if (
             cached is not None
             and cached[1] == num_engines
-            and cached[0] == self._db.run_now(limits.current_version)
+            and cached[0] == self._db.run_now(config.current_version)
         ):
             return cached[0], cached[2]
         if role == p.API_ROLE:
             snap = self._db.run_now(keys.load_key_snapshot)
         else:
             snap = msgspec.structs.replace(
-                self._db.run_now(limits.load_snapshot), num_engines=num_engines
+                self._db.run_now(config.load_snapshot), num_engines=num_engines
             )
         frame = p.encode(snap)
         self._snapshot_cache[role] = (snap.version, num_engines, frame)
@@ -785,14 +783,11 @@ class PushServer:
 
     def _publish(self, router: zmq.Socket) -> None:
         if self.fleet is not None:
-            self.fleet.refresh(
-                lambda: self._db.run_now(limits.load_snapshot),
-                lambda version: self._db.run_now(limits.load_changes_since, version),
-            )
+            self.fleet.refresh(StoredLog(self._db))
         if not self.peers:
             return
         oldest = min(peer.sent_version for peer in self.peers.values())
-        changes = self._db.run_now(limits.load_changes_since, oldest)
+        changes = self._db.run_now(config.changes_since, oldest)
         if not changes:
             return
         ops_of: dict[int, list[p.Op]] = {}

@@ -10,6 +10,19 @@ from output_rate_core import protocol as p
 LEASE_S = 10.0
 
 
+class SnapshotLog:
+    """A config log that holds one snapshot and no changes."""
+
+    def __init__(self, snapshot: p.Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def snapshot(self) -> p.Snapshot:
+        return self._snapshot
+
+    def changes_since(self, version: int) -> list[tuple[int, list[dict[str, object]]]]:
+        return []
+
+
 class Clock:
     """A fake clock: the test moves it."""
 
@@ -25,7 +38,7 @@ def coordinator(clock: Clock, *, stopped_at: float) -> FleetCoordinator:
         lease_s=LEASE_S, clock=clock, quiet_until=quiet_until(stopped_at, LEASE_S)
     )
     snapshot = p.Snapshot(version=1, default_rate=None, tiers={}, users={"u": (None, 40)})
-    fleet.refresh(lambda: snapshot, lambda version: [])
+    fleet.refresh(SnapshotLog(snapshot))
     return fleet
 
 

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
-from control_plane.limits import service as limits
+from control_plane.config import service as config
 from control_plane.limits.schemas import ChangePreview
 from control_plane.usage.repository import UsageRow, add_usage
 from tests.control_plane.factories import make_client
@@ -213,7 +213,7 @@ def test_dry_run_writes_nothing(client: TestClient) -> None:
     assert csv.status_code == 200
     assert version(client) == at and committed == []
     assert client.get("/audit").json()["items"] == audit_before
-    assert db.read_now(limits.load_changes_since, at) == []
+    assert db.read_now(config.changes_since, at) == []
     assert client.get("/limits/a").json()["tier"] == "pro"
     assert client.get("/limits").json()["total"] == 1
     # The same write without dry_run does reach the hook.
