@@ -5,15 +5,18 @@ snapshot reads it. No rules here: the service decides, this module reads and wri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import msgspec
 from sqlalchemy import Connection, bindparam, insert, select, update
 
+from control_plane.db import one_of
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
 from output_rate_core import protocol as p
-from output_rate_core.limits import Enforcement, Scope
+from output_rate_core.limits import UserPolicy
+from output_rate_core.policy import Policy
 
 CONFIG_ROW_ID = 1
 
@@ -27,26 +30,27 @@ Change = tuple[int, list[dict[str, Any]]]
 
 
 class State(NamedTuple):
+    """The config row: the version, the default's policy, the configured users."""
+
     version: int
-    default_rate: int | None
-    default_scope: Scope | None
+    default: Policy
     num_users: int
-    default_enforcement: Enforcement | None = None
 
 
-# The columns of State, in its order: other reads join them to theirs (one statement).
+# The columns `state_of` reads: other reads join them to theirs (one statement).
 STATE_COLUMNS = (
     config_state.c.version,
     config_state.c.default_rate,
     config_state.c.default_scope,
-    config_state.c.num_users,
     config_state.c.default_enforcement,
+    config_state.c.num_users,
 )
 
 
 def state_of(row: Any) -> State:
     assert row is not None, "config_state row is created by the initial migration"
-    return State._make(row)
+    version, rate, scope, enforcement, num_users = row
+    return State(version, Policy(rate, scope, enforcement), num_users)
 
 
 _GET_STATE = select(*STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
@@ -84,34 +88,58 @@ def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
     )
 
 
-# ---- the whole configuration, as a snapshot carries it ---------------------------
+# ---- the configuration: tiers and users ------------------------------------------
 
 
-class TierLimit(NamedTuple):
-    """What a tier gives its users: its rate (None: unlimited), its scope and enforcement
-    (None: inherit)."""
-
-    rate: int | None
-    scope: Scope | None
-    enforcement: Enforcement | None = None
-
-
-def tier_limits(conn: Connection) -> dict[str, TierLimit]:
+def tier_policies(conn: Connection) -> dict[str, Policy]:
+    """tier -> its policy, every tier."""
     rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement))
-    return {name: TierLimit(rate, scope, mode) for name, rate, scope, mode in rows}
+    return {name: Policy(rate, scope, mode) for name, rate, scope, mode in rows}
 
 
-class AllUsers(NamedTuple):
-    """Every configured user, as a snapshot carries them."""
+class UserRecord(NamedTuple):
+    """A configured user's row: its tier (None: none), its own policy, the version of its
+    last change."""
 
-    # user -> (tier, override rate)
-    records: dict[str, tuple[str | None, int | None]]
-    # user -> its own scope / enforcement (users that inherit are left out)
-    scopes: dict[str, Scope]
-    enforcements: dict[str, Enforcement]
+    tier: str | None
+    policy: Policy
+    version: int
 
 
-def all_users(conn: Connection) -> AllUsers:
+# The columns `user_record` reads, in its order.
+RECORD_COLUMNS = (
+    user_limits.c.tier,
+    user_limits.c.rate,
+    user_limits.c.scope,
+    user_limits.c.enforcement,
+    user_limits.c.version,
+)
+
+
+def user_record(row: Any) -> UserRecord:
+    tier, rate, scope, enforcement, version = row
+    return UserRecord(tier, Policy(rate, scope, enforcement), version)
+
+
+# Ids per statement: SQLite binds at most 32,766 parameters; PostgreSQL gets one array.
+_IDS_PER_STATEMENT = 10_000
+
+
+def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
+    """The records of those of `users` who have one (a statement per 10,000 ids)."""
+    found: dict[str, UserRecord] = {}
+    for start in range(0, len(users), _IDS_PER_STATEMENT):
+        chunk = list(users[start : start + _IDS_PER_STATEMENT])
+        query = select(user_limits.c.user, *RECORD_COLUMNS).where(
+            one_of(conn, user_limits.c.user, chunk)
+        )
+        for user, *record in conn.execute(query):
+            found[user] = user_record(record)
+    return found
+
+
+def all_users(conn: Connection) -> dict[str, UserPolicy]:
+    """user -> (its tier, its own policy), every configured user (as a snapshot has them)."""
     columns = (
         user_limits.c.user,
         user_limits.c.tier,
@@ -119,16 +147,10 @@ def all_users(conn: Connection) -> AllUsers:
         user_limits.c.scope,
         user_limits.c.enforcement,
     )
-    records: dict[str, tuple[str | None, int | None]] = {}
-    scopes: dict[str, Scope] = {}
-    enforcements: dict[str, Enforcement] = {}
-    for user, tier, rate, scope, enforcement in conn.execute(select(*columns)):
-        records[user] = (tier, rate)
-        if scope is not None:
-            scopes[user] = scope
-        if enforcement is not None:
-            enforcements[user] = enforcement
-    return AllUsers(records, scopes, enforcements)
+    return {
+        user: (tier, Policy(rate, scope, enforcement))
+        for user, tier, rate, scope, enforcement in conn.execute(select(*columns))
+    }
 
 
 # ---- the change log ----------------------------------------------------------------

@@ -10,13 +10,17 @@ the newest version."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import Connection
 
 from control_plane.audit import service as audit
 from control_plane.config import repository as repo
-from control_plane.config.repository import Change, State, TierLimit
+from control_plane.config.repository import Change, State, UserRecord
 from control_plane.db import service
 from output_rate_core import protocol as p
+from output_rate_core.limits import LimitModel
+from output_rate_core.policy import Policy
 
 
 def lock(conn: Connection) -> State:
@@ -43,9 +47,36 @@ def state(conn: Connection) -> State:
     return repo.get_config(conn)
 
 
-def tier_limits(conn: Connection) -> dict[str, TierLimit]:
-    """Every tier's limit."""
-    return repo.tier_limits(conn)
+def tier_policies(conn: Connection) -> dict[str, Policy]:
+    """tier -> its policy, every tier."""
+    return repo.tier_policies(conn)
+
+
+def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
+    """The records of those of `users` who have one (any number of users)."""
+    return repo.user_records(conn, users)
+
+
+def load_model(conn: Connection, users: Sequence[str]) -> LimitModel:
+    """The limit model of `users`: the default, every tier, and the records of those of
+    them who have one."""
+    records = repo.user_records(conn, users)
+    return LimitModel(
+        repo.get_config(conn).default,
+        repo.tier_policies(conn),
+        {user: (r.tier, r.policy) for user, r in records.items()},
+    )
+
+
+def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
+    """Each user's effective rate (None: unlimited)."""
+    model = load_model(conn, users)
+    return {user: model.effective(user).rate for user in users}
+
+
+def tiers_of(conn: Connection, users: Sequence[str]) -> dict[str, str | None]:
+    """Each configured user's tier (None: no tier); unconfigured users are left out."""
+    return {user: record.tier for user, record in repo.user_records(conn, users).items()}
 
 
 @service("read")
@@ -70,19 +101,6 @@ def load_snapshot(conn: Connection) -> p.Snapshot:
     if not conn.in_transaction() and conn.dialect.name == "postgresql":
         conn.execution_options(isolation_level="REPEATABLE READ")
     state = repo.get_config(conn)
-    tier_limits = repo.tier_limits(conn)
-    users = repo.all_users(conn)
-    return p.Snapshot(
-        version=state.version,
-        default_rate=state.default_rate,
-        tiers={name: tier.rate for name, tier in tier_limits.items()},
-        users=users.records,
-        default_scope=state.default_scope,
-        tier_scopes={name: t.scope for name, t in tier_limits.items() if t.scope is not None},
-        user_scopes=users.scopes,
-        default_enforcement=state.default_enforcement,
-        tier_enforcements={
-            name: t.enforcement for name, t in tier_limits.items() if t.enforcement is not None
-        },
-        user_enforcements=users.enforcements,
+    return p.Snapshot.of(
+        state.version, state.default, repo.tier_policies(conn), repo.all_users(conn)
     )

@@ -111,5 +111,4 @@ def _item(line: int, fields: list[str], problems: list[LineProblem]) -> UserItem
     if found:
         problems.extend(found)
         return None
-    rate = item.output_tokens_per_second
-    return UserItem(item.user, rate, item.tier, item.scope, item.enforcement)
+    return UserItem(item.user, item.tier, item.policy)

@@ -30,43 +30,21 @@ from typing import Any
 from sqlalchemy import Connection
 
 from control_plane.config import service as config
-from control_plane.config.repository import TierLimit
+from control_plane.config.repository import UserRecord
 from control_plane.db import service
 from control_plane.limits import repository as repo
 from control_plane.limits import service as limits
-from control_plane.limits.repository import UserRecord
 from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
 from control_plane.limits.service import BulkInput, UserItem
 from control_plane.usage import repository as usage
 from control_plane.usage.repository import MinuteTokens
-from output_rate_core.limits import (
-    ENFORCE,
-    Enforcement,
-    Scope,
-    effective_enforcement,
-    effective_rate,
-    effective_scope,
-)
+from output_rate_core.limits import ENFORCE, UNCONFIGURED, Effective, LimitModel
+from output_rate_core.policy import Enforcement, Policy, Scope
 
 # A ChangePreview as JSON-ready values (the route encodes it as is).
 Preview = dict[str, Any]
 HOUR_S = 3600
 MINUTE_S = 60
-
-
-@dataclass(frozen=True)
-class Default:
-    rate: int | None
-    scope: Scope | None
-    enforcement: Enforcement | None
-
-
-@dataclass(frozen=True)
-class World:
-    """What records resolve against: the tiers and the default."""
-
-    tiers: Mapping[str, TierLimit]
-    default: Default
 
 
 @dataclass(frozen=True)
@@ -80,39 +58,26 @@ class Candidate:
     listed: bool
 
 
-def _resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
-    """(effective rate, scope, enforcement) of a record (None: the default's)."""
-    tier_name = record.tier if record else None
-    tier = world.tiers.get(tier_name) if tier_name else None
-    tier_rate, tier_scope, tier_mode = tier if tier is not None else (None, None, None)
-    d = world.default
-    rate, _ = effective_rate(record.rate if record else None, tier_name, tier_rate, d.rate)
-    scope = effective_scope(record.scope if record else None, tier_name, tier_scope, d.scope)
-    mode = effective_enforcement(
-        record.enforcement if record else None, tier_name, tier_mode, d.enforcement
-    )
-    return rate, scope, mode
+def _resolve(record: UserRecord | None, world: LimitModel) -> Effective:
+    """What a record (None: none, the default's) resolves to in `world`."""
+    return world.resolve(*((record.tier, record.policy) if record else UNCONFIGURED))
 
 
-def _held(resolved: tuple[int | None, Scope, Enforcement]) -> int | None:
+def _held(resolved: Effective) -> int | None:
     """The rate the user is held to (None: unlimited; shadow holds nobody)."""
-    rate, _, mode = resolved
-    return rate if mode == ENFORCE else None
+    return resolved.rate if resolved.enforcement == ENFORCE else None
 
 
-def _state(
-    record: UserRecord | None, resolved: tuple[int | None, Scope, Enforcement]
-) -> dict[str, Any] | None:
+def _state(record: UserRecord | None, resolved: Effective) -> dict[str, Any] | None:
     """An ItemState."""
     if record is None:
         return None
-    rate, scope, mode = resolved
     return {
         "tier": record.tier,
-        "output_tokens_per_second": record.rate,
-        "effective_output_tokens_per_second": rate,
-        "effective_scope": scope,
-        "effective_enforcement": mode,
+        "output_tokens_per_second": record.policy.rate,
+        "effective_output_tokens_per_second": resolved.rate,
+        "effective_scope": resolved.scope,
+        "effective_enforcement": resolved.enforcement,
     }
 
 
@@ -156,8 +121,8 @@ def build(
     *,
     version: int,
     candidates: Iterable[Candidate],
-    before: World,
-    after: World,
+    before: LimitModel,
+    after: LimitModel,
     history: Mapping[str, MinuteTokens],
     items_limit: int,
 ) -> Preview:
@@ -166,9 +131,9 @@ def build(
     sames: list[dict[str, Any]] = []
     num_created = num_dropped = num_over = num_kept = 0
     # Records resolve by their values alone: thousands of users share a few of them.
-    resolved: dict[tuple[bool, Any], tuple[int | None, Scope, Enforcement]] = {}
+    resolved: dict[tuple[bool, Any], Effective] = {}
 
-    def resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
+    def resolve(record: UserRecord | None, world: LimitModel) -> Effective:
         key = (world is after, record and record._replace(version=0))
         found = resolved.get(key)
         if found is None:
@@ -185,8 +150,8 @@ def build(
         created = c.before is None and c.after is not None
         dropped = (
             c.before is not None
-            and c.before.rate is not None
-            and (c.after is None or c.after.rate is None)
+            and c.before.policy.rate is not None
+            and (c.after is None or c.after.policy.rate is None)
         )
         last_hour = _last_hour(history.get(c.user), new_held)
         item = {
@@ -230,10 +195,10 @@ def build(
 # ---- what each write would do ----------------------------------------------
 
 
-def _world(conn: Connection) -> tuple[int, World]:
+def _world(conn: Connection) -> tuple[int, LimitModel]:
+    """The config version, and the model records resolve in: the default and the tiers."""
     state = config.state(conn)
-    default = Default(state.default_rate, state.default_scope, state.default_enforcement)
-    return state.version, World(config.tier_limits(conn), default)
+    return state.version, LimitModel(state.default, config.tier_policies(conn))
 
 
 def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:
@@ -247,13 +212,13 @@ def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteT
 
 
 def _record(item: UserItem, version: int) -> UserRecord:
-    return UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
+    return UserRecord(item.tier, item.policy, version)
 
 
 def _users_preview(
     conn: Connection,
     version: int,
-    world: World,
+    world: LimitModel,
     pairs: Sequence[tuple[str, UserRecord | None, UserRecord | None]],
     items_limit: int,
 ) -> Preview:
@@ -283,9 +248,9 @@ def put_limit(
     items_limit: int,
 ) -> Preview:
     version, world = _world(conn)
-    limits.tier_limit_of(conn, tier)
+    limits.tier_policy_of(conn, tier)
     record = repo.get_user(conn, user)
-    after = _record(UserItem(user, rate, tier, scope, enforcement), version)
+    after = _record(UserItem(user, tier, Policy(rate, scope, enforcement)), version)
     return _users_preview(conn, version, world, [(user, record, after)], items_limit)
 
 
@@ -296,9 +261,9 @@ def patch_limit(
     version, world = _world(conn)
     record = repo.get_user(conn, user)
     item = limits.patched_item(record, user, changes)
-    limits.tier_limit_of(conn, item.tier)
+    limits.tier_policy_of(conn, item.tier)
     # A patch that sets nothing on an unconfigured user creates no record (as the write).
-    unchanged = record is None and item == UserItem(user, None, None)
+    unchanged = record is None and item == UserItem(user, None)
     after = None if unchanged else _record(item, version)
     return _users_preview(conn, version, world, [(user, record, after)], items_limit)
 
@@ -321,7 +286,7 @@ def bulk_put_limits(
 ) -> Preview:
     version, world = _world(conn)
     limits.check_bulk(BulkInput(items, lines, problems), world.tiers)
-    records = repo.records_of(conn, [i.user for i in items])
+    records = config.user_records(conn, [i.user for i in items])
     pairs = [(i.user, records.get(i.user), _record(i, version)) for i in items]
     return _users_preview(conn, version, world, pairs, items_limit)
 
@@ -331,13 +296,13 @@ def _tier_preview(
     *,
     name: str,
     tier: repo.TierRow | None,
-    limit: TierLimit,
+    policy: Policy,
     items_limit: int,
 ) -> Preview:
-    """The users of tier `name` (now `tier`, None: new) whose values change with `limit`."""
+    """The users of tier `name` (now `tier`, None: new) whose values change with `policy`."""
     version, world = _world(conn)
-    after = World({**world.tiers, name: limit}, world.default)
-    records = repo.user_records(conn, tier=name) if tier and tier.num_users else {}
+    after = LimitModel(world.default, {**world.tiers, name: policy})
+    records = repo.all_records(conn, tier=name) if tier and tier.num_users else {}
     users = list(records)
     history = _history(conn, users) if users else {}
     return build(
@@ -360,9 +325,9 @@ def put_tier(
     enforcement: Enforcement | None,
     items_limit: int,
 ) -> Preview:
-    limit = TierLimit(rate, scope, enforcement)
+    policy = Policy(rate, scope, enforcement)
     tier = repo.get_tier(conn, name)
-    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
+    return _tier_preview(conn, name=name, tier=tier, policy=policy, items_limit=items_limit)
 
 
 @service("scan")
@@ -370,8 +335,8 @@ def patch_tier(
     conn: Connection, *, name: str, changes: dict[str, Any], items_limit: int
 ) -> Preview:
     tier = limits.existing_tier(conn, name)
-    limit = limits.patched_tier_limit(tier, changes)
-    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
+    policy = limits.patched_tier_policy(tier, changes)
+    return _tier_preview(conn, name=name, tier=tier, policy=policy, items_limit=items_limit)
 
 
 @service("read")
@@ -401,8 +366,8 @@ def put_default(
     """Every configured user whose effective values change, and the users seen in the
     last hour with no record (they follow the default)."""
     version, world = _world(conn)
-    after = World(world.tiers, Default(rate, scope, enforcement))
-    records = repo.user_records(conn)
+    after = LimitModel(Policy(rate, scope, enforcement), world.tiers)
+    records = repo.all_records(conn)
     history = _history(conn, None)
     candidates = [Candidate(u, r, r, listed=False) for u, r in records.items()]
     candidates += [Candidate(u, None, None, listed=False) for u in history if u not in records]

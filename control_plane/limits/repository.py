@@ -9,7 +9,7 @@ costs a fifth of its ORM unit-of-work form (docs/control-plane.md, "How a reques
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -17,41 +17,33 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, select, upda
 
 from control_plane.config.repository import (
     CONFIG_ROW_ID,
+    RECORD_COLUMNS,
     STATE_COLUMNS,
     State,
-    TierLimit,
+    UserRecord,
     config_state,
     state_of,
+    user_record,
 )
-from control_plane.db import one_of
 from control_plane.models import Tier, UserLimit, table
-from output_rate_core.limits import Enforcement, Scope
+from output_rate_core.policy import Policy
 
 tiers = table(Tier)
 user_limits = table(UserLimit)
 
 
-class UserRecord(NamedTuple):
-    """A configured user's row: its tier, its override rate, scope and enforcement (None:
-    inherit), the version of its last change."""
-
-    tier: str | None
-    rate: int | None
-    scope: Scope | None
-    version: int
-    enforcement: Enforcement | None = None
-
-
 # ---- the default ---------------------------------------------------------------
 
 
-def set_default(
-    conn: Connection, rate: int | None, scope: Scope | None, enforcement: Enforcement | None
-) -> None:
+def set_default(conn: Connection, policy: Policy) -> None:
     conn.execute(
         update(config_state)
         .where(config_state.c.id == CONFIG_ROW_ID)
-        .values(default_rate=rate, default_scope=scope, default_enforcement=enforcement)
+        .values(
+            default_rate=policy.rate,
+            default_scope=policy.scope,
+            default_enforcement=policy.enforcement,
+        )
     )
 
 
@@ -60,21 +52,17 @@ def set_default(
 
 class LimitRow(NamedTuple):
     """What a LimitView needs: the config state, the user's row (None: not configured),
-    its tier's limit (None: no tier)."""
+    its tier's policy (None: no tier)."""
 
     state: State
     record: UserRecord | None
-    tier: TierLimit | None
+    tier: Policy | None
 
 
 _GET_LIMIT = (
     select(
         *STATE_COLUMNS,
-        user_limits.c.tier,
-        user_limits.c.rate,
-        user_limits.c.scope,
-        user_limits.c.version,
-        user_limits.c.enforcement,
+        *RECORD_COLUMNS,
         tiers.c.rate,
         tiers.c.scope,
         tiers.c.enforcement,
@@ -91,11 +79,14 @@ _GET_LIMIT = (
 def get_limit_row(conn: Connection, user: str) -> LimitRow:
     row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
     assert row is not None, "config_state row is created by the initial migration"
-    num_state = len(STATE_COLUMNS)
+    num_state, num_record = len(STATE_COLUMNS), len(RECORD_COLUMNS)
     state = state_of(row[:num_state])
-    tier, rate, scope, version, enforcement, *tier_limit = row[num_state:]
-    record = None if version is None else UserRecord(tier, rate, scope, version, enforcement)
-    return LimitRow(state, record, None if tier is None else TierLimit(*tier_limit))
+    record_row = row[num_state : num_state + num_record]
+    if record_row[-1] is None:  # no version: the user has no row (the outer join's nulls)
+        return LimitRow(state, None, None)
+    record = user_record(record_row)
+    tier = None if record.tier is None else Policy(*row[num_state + num_record :])
+    return LimitRow(state, record, tier)
 
 
 # ---- tiers -------------------------------------------------------------------
@@ -103,23 +94,28 @@ def get_limit_row(conn: Connection, user: str) -> LimitRow:
 
 class TierRow(NamedTuple):
     name: str
-    rate: int | None
-    scope: Scope | None
+    policy: Policy
     description: str
     version: int
     num_users: int
-    enforcement: Enforcement | None = None
 
 
 _TIER_COLUMNS = (
     tiers.c.name,
     tiers.c.rate,
     tiers.c.scope,
+    tiers.c.enforcement,
     tiers.c.description,
     tiers.c.version,
     tiers.c.num_users,
-    tiers.c.enforcement,
 )
+
+
+def _tier_row(row: Any) -> TierRow:
+    name, rate, scope, enforcement, description, version, num_users = row
+    return TierRow(name, Policy(rate, scope, enforcement), description, version, num_users)
+
+
 _GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
 _ADD_TIER_USERS = (
     update(tiers)
@@ -130,29 +126,22 @@ _ADD_TIER_USERS = (
 
 def get_tier(conn: Connection, name: str) -> TierRow | None:
     row = conn.execute(_GET_TIER, {"name": name}).one_or_none()
-    return None if row is None else TierRow(*row)
+    return None if row is None else _tier_row(row)
 
 
 def list_tiers(conn: Connection) -> list[TierRow]:
-    return [TierRow(*r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
+    return [_tier_row(r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
 
 
 def insert_tier(
-    conn: Connection,
-    *,
-    name: str,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    description: str,
-    version: int,
+    conn: Connection, *, name: str, policy: Policy, description: str, version: int
 ) -> None:
     conn.execute(
         insert(tiers).values(
             name=name,
-            rate=rate,
-            scope=scope,
-            enforcement=enforcement,
+            rate=policy.rate,
+            scope=policy.scope,
+            enforcement=policy.enforcement,
             description=description,
             version=version,
             num_users=0,
@@ -162,22 +151,15 @@ def insert_tier(
 
 
 def update_tier(
-    conn: Connection,
-    *,
-    name: str,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    description: str,
-    version: int,
+    conn: Connection, *, name: str, policy: Policy, description: str, version: int
 ) -> None:
     conn.execute(
         update(tiers)
         .where(tiers.c.name == name)
         .values(
-            rate=rate,
-            scope=scope,
-            enforcement=enforcement,
+            rate=policy.rate,
+            scope=policy.scope,
+            enforcement=policy.enforcement,
             description=description,
             version=version,
             updated_at=datetime.now(UTC),
@@ -202,14 +184,7 @@ def tier_has_users(conn: Connection, name: str) -> bool:
 
 # ---- users -------------------------------------------------------------------
 
-_RECORD_COLUMNS = (
-    user_limits.c.tier,
-    user_limits.c.rate,
-    user_limits.c.scope,
-    user_limits.c.version,
-    user_limits.c.enforcement,
-)
-_GET_USER = select(*_RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
+_GET_USER = select(*RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
 _INSERT_USER = insert(user_limits)
 _UPDATE_USER = (
     update(user_limits)
@@ -224,41 +199,19 @@ _UPDATE_USER = (
     )
 )
 _DELETE_USER = delete(user_limits).where(user_limits.c.user == bindparam("user"))
-# Keeps IN (...) lists below SQLite's bound-parameter limit.
-_IN_CHUNK = 500
 
 
 def get_user(conn: Connection, user: str) -> UserRecord | None:
     row = conn.execute(_GET_USER, {"user": user}).one_or_none()
-    return None if row is None else UserRecord(*row)
+    return None if row is None else user_record(row)
 
 
-def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
-    found: dict[str, UserRecord] = {}
-    for start in range(0, len(users), _IN_CHUNK):
-        chunk = users[start : start + _IN_CHUNK]
-        query = select(user_limits.c.user, *_RECORD_COLUMNS).where(user_limits.c.user.in_(chunk))
-        for user, *record in conn.execute(query):
-            found[user] = UserRecord(*record)
-    return found
-
-
-def records_of(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
-    """The records of `users` (up to MAX_BULK_ITEMS ids) in one statement."""
-    if not users:
-        return {}
-    query = select(user_limits.c.user, *_RECORD_COLUMNS).where(
-        one_of(conn, user_limits.c.user, list(users))
-    )
-    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
-
-
-def user_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
+def all_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
     """Every configured user's record (only those of `tier`, if given)."""
-    query = select(user_limits.c.user, *_RECORD_COLUMNS)
+    query = select(user_limits.c.user, *RECORD_COLUMNS)
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
-    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
+    return {user: user_record(record) for user, *record in conn.execute(query)}
 
 
 def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
@@ -278,9 +231,9 @@ def _write_users(
         {
             user_key: user,
             "tier": r.tier,
-            "rate": r.rate,
-            "scope": r.scope,
-            "enforcement": r.enforcement,
+            "rate": r.policy.rate,
+            "scope": r.policy.scope,
+            "enforcement": r.policy.enforcement,
             "version": r.version,
             "updated_at": now,
         }
@@ -347,7 +300,7 @@ def list_users(
     sort: str = "user",
 ) -> list[tuple[str, UserRecord]]:
     query = _filter(
-        select(user_limits.c.user, *_RECORD_COLUMNS), tier=tier, prefix=prefix, contains=contains
+        select(user_limits.c.user, *RECORD_COLUMNS), tier=tier, prefix=prefix, contains=contains
     )
     if after is not None:
         # Keyset paging: a seek into the index, as fast at user 900,000 as at the first.
@@ -357,7 +310,7 @@ def list_users(
     key = column.desc().nulls_last() if descending else column.asc().nulls_last()
     order = (key,) if column is user_limits.c.user else (key, user_limits.c.user)
     rows = conn.execute(query.order_by(*order).offset(offset).limit(limit))
-    return [(user, UserRecord(*record)) for user, *record in rows]
+    return [(user, user_record(record)) for user, *record in rows]
 
 
 def count_users(

@@ -173,11 +173,7 @@ async def _bulk_body(request: Request) -> service.BulkInput:
         raise RequestValidationError(
             [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
         ) from None
-    items = [
-        service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope, i.enforcement)
-        for i in bulk.items
-    ]
-    return service.BulkInput(items)
+    return service.BulkInput([service.UserItem(i.user, i.tier, i.policy) for i in bulk.items])
 
 
 @router.post(

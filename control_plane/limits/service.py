@@ -23,12 +23,11 @@ from control_plane.audit.targets import (
     user_target,
 )
 from control_plane.config import service as config
-from control_plane.config.repository import State, TierLimit
+from control_plane.config.repository import State, UserRecord
 from control_plane.db import ConfigChange, service
 from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
 from control_plane.fleet.view import FleetView
 from control_plane.limits import repository as repo
-from control_plane.limits.repository import UserRecord
 from control_plane.limits.schemas import (
     MAX_BULK_ITEMS,
     BulkOut,
@@ -42,25 +41,18 @@ from control_plane.limits.schemas import (
 )
 from control_plane.usage.book import UsageSource
 from output_rate_core import protocol as p
-from output_rate_core.limits import (
-    FLEET,
-    Enforcement,
-    Scope,
-    effective_enforcement,
-    effective_rate,
-    effective_scope,
-)
+from output_rate_core.limits import FLEET, UNCONFIGURED, LimitModel
+from output_rate_core.policy import NO_POLICY, Enforcement, Policy, Scope
 
 
 @dataclass(frozen=True)
 class UserItem:
-    """One user's record as a write gives it (None: unset, inherit)."""
+    """One user's record as a write gives it: its tier (None: none) and its own policy
+    (a field of None inherits)."""
 
     user: str
-    rate: int | None
     tier: str | None
-    scope: Scope | None = None
-    enforcement: Enforcement | None = None
+    policy: Policy = NO_POLICY
 
 
 @dataclass(frozen=True)
@@ -77,31 +69,24 @@ class UserCounts:
 # ---- views -----------------------------------------------------------------
 
 
-def limit_view(
-    *, user: str, record: UserRecord | None, tier: TierLimit | None, state: State
-) -> LimitOut:
-    """`tier` is the limit of the record's tier (ignored without one)."""
-    tier_name = record.tier if record else None
-    override = record.rate if record else None
-    own_scope = record.scope if record else None
-    own_enforcement = record.enforcement if record else None
-    tier_rate, tier_scope, tier_enforcement = tier if tier is not None else (None, None, None)
-    effective, source = effective_rate(override, tier_name, tier_rate, state.default_rate)
+def limit_view(user: str, record: UserRecord | None, model: LimitModel, version: int) -> LimitOut:
+    """The view of `user`, whose record is `record` (None: not configured), resolved by
+    `model` (which holds the record's tier and the default); `version`: the config's now."""
+    tier, own = (record.tier, record.policy) if record else UNCONFIGURED
+    effective = model.resolve(tier, own)
     return LimitOut(
         user=user,
-        tier=tier_name,
-        output_tokens_per_second=override,
-        effective_output_tokens_per_second=effective,
-        source=source,
-        scope=own_scope,
-        effective_scope=effective_scope(own_scope, tier_name, tier_scope, state.default_scope),
-        enforcement=own_enforcement,
-        effective_enforcement=effective_enforcement(
-            own_enforcement, tier_name, tier_enforcement, state.default_enforcement
-        ),
+        tier=tier,
+        output_tokens_per_second=own.rate,
+        effective_output_tokens_per_second=effective.rate,
+        source=effective.source,
+        scope=own.scope,
+        effective_scope=effective.scope,
+        enforcement=own.enforcement,
+        effective_enforcement=effective.enforcement,
         # The version of the user's last change (the current one for users
         # nobody configured): once engines applied it, this view is enforced.
-        version=record.version if record else state.version,
+        version=record.version if record else version,
     )
 
 
@@ -117,47 +102,39 @@ def shares_view(view: LimitOut, fleet: FleetView) -> list[ShareOut]:
 def tier_view(tier: repo.TierRow) -> TierOut:
     return TierOut(
         name=tier.name,
-        output_tokens_per_second=tier.rate,
-        scope=tier.scope,
-        enforcement=tier.enforcement,
+        output_tokens_per_second=tier.policy.rate,
+        scope=tier.policy.scope,
+        enforcement=tier.policy.enforcement,
         description=tier.description,
         num_users=tier.num_users,
         version=tier.version,
     )
 
 
-def record_values(record: UserRecord | None) -> dict[str, Any] | None:
+def policy_values(policy: Policy) -> dict[str, Any]:
+    """A policy as the audit log and the bodies name its fields."""
+    return {
+        "output_tokens_per_second": policy.rate,
+        "scope": policy.scope,
+        "enforcement": policy.enforcement,
+    }
+
+
+def record_values(record: UserRecord | UserItem | None) -> dict[str, Any] | None:
     """A user's record as the audit log, the merge patch and a preview compare it (its
     version aside)."""
-    if record is None:
-        return None
-    return {
-        "tier": record.tier,
-        "output_tokens_per_second": record.rate,
-        "scope": record.scope,
-        "enforcement": record.enforcement,
-    }
+    return None if record is None else _user_values(record.tier, record.policy)
 
 
-def _item_record(item: UserItem) -> dict[str, Any]:
-    return {
-        "tier": item.tier,
-        "output_tokens_per_second": item.rate,
-        "scope": item.scope,
-        "enforcement": item.enforcement,
-    }
+def _user_values(tier: str | None, policy: Policy) -> dict[str, Any]:
+    return {"tier": tier, **policy_values(policy)}
 
 
 def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
     """A tier as the audit log sees it."""
     if tier is None:
         return None
-    return {
-        "output_tokens_per_second": tier.rate,
-        "scope": tier.scope,
-        "enforcement": tier.enforcement,
-        "description": tier.description,
-    }
+    return {**policy_values(tier.policy), "description": tier.description}
 
 
 # ---- reads -----------------------------------------------------------------
@@ -166,7 +143,9 @@ def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
 @service("read")
 def get_limit(conn: Connection, *, user: str) -> LimitOut:
     row = repo.get_limit_row(conn, user)
-    return limit_view(user=user, record=row.record, tier=row.tier, state=row.state)
+    tier = row.record.tier if row.record else None
+    tiers = {tier: row.tier} if tier is not None and row.tier is not None else {}
+    return limit_view(user, row.record, LimitModel(row.state.default, tiers), row.state.version)
 
 
 @service("read")
@@ -220,48 +199,16 @@ def list_limits(
         total = tier_row.num_users if tier_row else 0
     else:
         total = state.num_users
-    tier_limits = config.tier_limits(conn)
-    items = [
-        limit_view(
-            user=user,
-            record=record,
-            tier=tier_limits.get(record.tier) if record.tier else None,
-            state=state,
-        )
-        for user, record in rows
-    ]
+    model = LimitModel(state.default, config.tier_policies(conn))
+    items = [limit_view(user, record, model, state.version) for user, record in rows]
     return LimitPage(items=items, total=total)
-
-
-def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
-    """Each user's effective rate (None: unlimited)."""
-    state = config.state(conn)
-    tier_limits = config.tier_limits(conn)
-    records = repo.get_users(conn, users)
-    result: dict[str, int | None] = {}
-    for user in users:
-        record = records.get(user)
-        if record is None:
-            result[user] = state.default_rate
-        else:
-            tier = tier_limits.get(record.tier) if record.tier else None
-            tier_rate = tier.rate if tier else None
-            result[user] = effective_rate(record.rate, record.tier, tier_rate, state.default_rate)[
-                0
-            ]
-    return result
-
-
-def tiers_of(conn: Connection, users: Sequence[str]) -> dict[str, str | None]:
-    """Each configured user's tier (None: no tier); unconfigured users are left out."""
-    return {user: record.tier for user, record in repo.get_users(conn, users).items()}
 
 
 def user_counts(conn: Connection) -> UserCounts:
     state = config.state(conn)
     return UserCounts(
         version=state.version,
-        default_rate=state.default_rate,
+        default_rate=state.default.rate,
         num_users=state.num_users,
         num_users_per_tier={tier.name: tier.num_users for tier in repo.list_tiers(conn)},
     )
@@ -283,25 +230,20 @@ def get_default(conn: Connection) -> DefaultOut:
 
 
 def _default_view(state: State) -> DefaultOut:
-    return DefaultOut(
-        output_tokens_per_second=state.default_rate,
-        scope=state.default_scope,
-        enforcement=state.default_enforcement,
-        version=state.version,
-    )
+    return DefaultOut(**policy_values(state.default), version=state.version)
 
 
 # ---- writes ----------------------------------------------------------------
 
 
-def tier_limit_of(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
-    """The limit of `tier` (None for no tier); an unknown tier is bad input."""
+def tier_policy_of(conn: Connection, tier: str | None, *, field: str = "tier") -> Policy | None:
+    """The policy of `tier` (None for no tier); an unknown tier is bad input."""
     if tier is None:
         return None
     row = repo.get_tier(conn, tier)
     if row is None:
         raise InvalidInput(f"{field}: unknown tier {tier!r}", field=field)
-    return TierLimit(row.rate, row.scope, row.enforcement)
+    return row.policy
 
 
 def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dict[str, int]:
@@ -327,16 +269,16 @@ def put_limit(
     enforcement: Enforcement | None = None,
 ) -> ConfigChange[LimitOut]:
     state = config.lock(conn)
-    tier_limit = tier_limit_of(conn, tier)
+    tier_policy = tier_policy_of(conn, tier)
     record = repo.get_user(conn, user)
     return _set_user(
         conn,
         state,
         actor=actor,
         action="put_limit",
-        item=UserItem(user, rate, tier, scope, enforcement),
+        item=UserItem(user, tier, Policy(rate, scope, enforcement)),
         record=record,
-        tier_limit=tier_limit,
+        tier_policy=tier_policy,
     )
 
 
@@ -351,9 +293,10 @@ def patch_limit(
     state = config.lock(conn)
     record = repo.get_user(conn, user)
     item = patched_item(record, user, changes)
-    tier_limit = tier_limit_of(conn, item.tier)
-    if record is None and _item_record(item) == _item_record(UserItem(user, None, None)):
-        return ConfigChange(limit_view(user=user, record=None, tier=None, state=state), None)
+    tier_policy = tier_policy_of(conn, item.tier)
+    if record is None and record_values(item) == record_values(UserItem(user, None)):
+        model = LimitModel(state.default)
+        return ConfigChange(limit_view(user, None, model, state.version), None)
     return _set_user(
         conn,
         state,
@@ -361,21 +304,18 @@ def patch_limit(
         action="patch_limit",
         item=item,
         record=record,
-        tier_limit=tier_limit,
+        tier_policy=tier_policy,
     )
 
 
 def patched_item(record: UserRecord | None, user: str, changes: dict[str, Any]) -> UserItem:
     """The record a merge patch of `changes` makes of `record` (None: not configured)."""
-    current = record_values(record) or _item_record(UserItem(user, None, None))
-    merged = {**current, **changes}
-    return UserItem(
-        user,
-        merged["output_tokens_per_second"],
-        merged["tier"],
-        merged["scope"],
-        merged["enforcement"],
-    )
+    merged = {
+        **_user_values(*((record.tier, record.policy) if record else UNCONFIGURED)),
+        **changes,
+    }
+    policy = Policy(merged["output_tokens_per_second"], merged["scope"], merged["enforcement"])
+    return UserItem(user, merged["tier"], policy)
 
 
 def _set_user(
@@ -386,36 +326,32 @@ def _set_user(
     action: str,
     item: UserItem,
     record: UserRecord | None,
-    tier_limit: TierLimit | None,
+    tier_policy: Policy | None,
 ) -> ConfigChange[LimitOut]:
     """Write the user's new record (if it differs) as one version; return its view."""
     user = item.user
     before = record_values(record)
-    after = _item_record(item)
+    after = record_values(item)
     version = None
     if before != after:
         entry = audit.Entry(actor, action, user_target(user), before, after)
         version = config.commit(
             conn, state, [_set_user_op(item)], entry, new_users=0 if record else 1
         )
-        new_record = UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
+        new_record = UserRecord(item.tier, item.policy, version)
         if record is None:
             repo.insert_users(conn, [(user, new_record)])
         else:
             repo.update_users(conn, [(user, new_record)])
         repo.add_tier_users(conn, _tier_deltas([(record, item.tier)]))
         record, state = new_record, state._replace(version=version)
-    return ConfigChange(limit_view(user=user, record=record, tier=tier_limit, state=state), version)
+    tiers = {} if item.tier is None or tier_policy is None else {item.tier: tier_policy}
+    model = LimitModel(state.default, tiers)
+    return ConfigChange(limit_view(user, record, model, state.version), version)
 
 
 def _set_user_op(item: UserItem) -> p.SetUser:
-    return p.SetUser(
-        user=item.user,
-        tier=item.tier,
-        rate=item.rate,
-        scope=item.scope,
-        enforcement=item.enforcement,
-    )
+    return p.SetUser.of(item.user, item.tier, item.policy)
 
 
 @service("write")
@@ -489,10 +425,9 @@ def bulk_put_limits(
     """Apply up to MAX_BULK_ITEMS user records as one version (`lines` and `problems`:
     see BulkInput)."""
     state = config.lock(conn)
-    check_bulk(BulkInput(items, lines, problems), config.tier_limits(conn))
-    users = [item.user for item in items]
-    existing = repo.get_users(conn, users)
-    changed = [i for i in items if record_values(existing.get(i.user)) != _item_record(i)]
+    check_bulk(BulkInput(items, lines, problems), config.tier_policies(conn))
+    existing = config.user_records(conn, [item.user for item in items])
+    changed = [i for i in items if record_values(existing.get(i.user)) != record_values(i)]
     if not changed:
         return ConfigChange(BulkOut(version=state.version, num_changed=0), None)
     num_new = sum(1 for i in changed if i.user not in existing)
@@ -506,13 +441,11 @@ def bulk_put_limits(
             "bulk_put_limits",
             bulk_target(len(changed)),
             {i.user: record_values(existing.get(i.user)) for i in changed},
-            {i.user: _item_record(i) for i in changed},
+            {i.user: record_values(i) for i in changed},
         ),
         new_users=num_new,
     )
-    records = [
-        (i.user, UserRecord(i.tier, i.rate, i.scope, version, i.enforcement)) for i in changed
-    ]
+    records = [(i.user, UserRecord(i.tier, i.policy, version)) for i in changed]
     repo.insert_users(conn, [(u, r) for u, r in records if u not in existing])
     repo.update_users(conn, [(u, r) for u, r in records if u in existing])
     repo.add_tier_users(conn, _tier_deltas((existing.get(i.user), i.tier) for i in changed))
@@ -542,7 +475,7 @@ def put_tier(
         action="put_tier",
         name=name,
         tier=tier,
-        limit=TierLimit(rate, scope, enforcement),
+        policy=Policy(rate, scope, enforcement),
         description=new_description,
     )
 
@@ -557,7 +490,6 @@ def patch_tier(
     empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
     state = config.lock(conn)
     tier = existing_tier(conn, name)
-    limit = patched_tier_limit(tier, changes)
     description = changes.get("description", tier.description)
     return _set_tier(
         conn,
@@ -566,7 +498,7 @@ def patch_tier(
         action="patch_tier",
         name=name,
         tier=tier,
-        limit=limit,
+        policy=patched_tier_policy(tier, changes),
         description=description if description is not None else "",
     )
 
@@ -578,13 +510,10 @@ def existing_tier(conn: Connection, name: str) -> repo.TierRow:
     return tier
 
 
-def patched_tier_limit(tier: repo.TierRow, changes: dict[str, Any]) -> TierLimit:
-    """The limit a merge patch of `changes` gives `tier`."""
-    return TierLimit(
-        changes.get("output_tokens_per_second", tier.rate),
-        changes.get("scope", tier.scope),
-        changes.get("enforcement", tier.enforcement),
-    )
+def patched_tier_policy(tier: repo.TierRow, changes: dict[str, Any]) -> Policy:
+    """The policy a merge patch of `changes` gives `tier`."""
+    merged = {**policy_values(tier.policy), **changes}
+    return Policy(merged["output_tokens_per_second"], merged["scope"], merged["enforcement"])
 
 
 def _set_tier(
@@ -595,21 +524,12 @@ def _set_tier(
     action: str,
     name: str,
     tier: repo.TierRow | None,
-    limit: TierLimit,
+    policy: Policy,
     description: str,
 ) -> ConfigChange[TierOut]:
-    """Write the tier's new rate, scope, enforcement and description (if they differ) as
-    one version."""
-    rate, scope, enforcement = limit
-    new_tier = repo.TierRow(
-        name,
-        rate,
-        scope,
-        description,
-        version=0,
-        num_users=tier.num_users if tier else 0,
-        enforcement=enforcement,
-    )
+    """Write the tier's new policy and description (if they differ) as one version."""
+    num_users = tier.num_users if tier else 0
+    new_tier = repo.TierRow(name, policy, description, version=0, num_users=num_users)
     before = _tier_record(tier)
     if before == _tier_record(new_tier):
         assert tier is not None
@@ -617,19 +537,11 @@ def _set_tier(
     version = config.commit(
         conn,
         state,
-        [p.SetTier(name=name, rate=rate, scope=scope, enforcement=enforcement)],
+        [p.SetTier.of(name, policy)],
         audit.Entry(actor, action, tier_target(name), before, _tier_record(new_tier)),
     )
     write = repo.insert_tier if tier is None else repo.update_tier
-    write(
-        conn,
-        name=name,
-        rate=rate,
-        scope=scope,
-        enforcement=enforcement,
-        description=description,
-        version=version,
-    )
+    write(conn, name=name, policy=policy, description=description, version=version)
     return ConfigChange(tier_view(new_tier._replace(version=version)), version)
 
 
@@ -667,22 +579,20 @@ def put_default(
 ) -> ConfigChange[DefaultOut]:
     """Replace the default rate, scope (None: "fleet") and enforcement (None: "enforce")."""
     state = config.lock(conn)
-    before = {
-        "output_tokens_per_second": state.default_rate,
-        "scope": state.default_scope,
-        "enforcement": state.default_enforcement,
-    }
-    after = {"output_tokens_per_second": rate, "scope": scope, "enforcement": enforcement}
-    if before == after:
+    policy = Policy(rate, scope, enforcement)
+    if policy == state.default:
         return ConfigChange(_default_view(state), None)
     version = config.commit(
         conn,
         state,
-        [p.SetDefault(rate=rate, scope=scope, enforcement=enforcement)],
-        audit.Entry(actor, "put_default", DEFAULT_TARGET, before, after),
+        [p.SetDefault.of(policy)],
+        audit.Entry(
+            actor,
+            "put_default",
+            DEFAULT_TARGET,
+            policy_values(state.default),
+            policy_values(policy),
+        ),
     )
-    repo.set_default(conn, rate, scope, enforcement)
-    new_state = state._replace(
-        version=version, default_rate=rate, default_scope=scope, default_enforcement=enforcement
-    )
-    return ConfigChange(_default_view(new_state), version)
+    repo.set_default(conn, policy)
+    return ConfigChange(_default_view(state._replace(version=version, default=policy)), version)

@@ -44,7 +44,8 @@ from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
 from output_rate_core import protocol as p
-from output_rate_core.limits import EVERYONE, FLEET, LimitModel, Scope
+from output_rate_core.limits import EVERYONE, FLEET, LimitModel
+from output_rate_core.policy import Scope
 
 logger = logging.getLogger("control_plane")
 
