@@ -37,6 +37,7 @@ from bench.report import pct, write_report
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
+from control_plane.limits.plans import UserItem
 from control_plane.limits.schemas import MAX_BULK_ITEMS
 from harness.servers import free_port
 from output_rate_core.policy import Policy
@@ -53,7 +54,7 @@ def seed_users(db_url: str, num_users: int) -> None:
     step = MAX_BULK_ITEMS
     for start in range(0, num_users, step):
         items = [
-            limits.UserItem(
+            UserItem(
                 f"user-{i:07d}", "free" if i % 2 else None, Policy(None if i % 3 else i % 1000 + 1)
             )
             for i in range(start, min(num_users, start + step))

@@ -79,6 +79,10 @@ class LimitModel:
     def from_snapshot(cls, snapshot: p.Snapshot) -> LimitModel:
         return cls(snapshot.default_policy, snapshot.tier_policies(), snapshot.user_policies())
 
+    def copy(self) -> LimitModel:
+        """A model to apply ops to without changing this one (policies are immutable)."""
+        return LimitModel(self.default, dict(self.tiers), dict(self.users))
+
     def tier_of(self, user: str) -> str | None:
         return self.users.get(user, UNCONFIGURED)[0]
 

@@ -1,16 +1,20 @@
 """The config log's queries: the one `config_state` row (the writers' lock, the version,
-the default, the user count), the `config_changes` rows, and the whole configuration as a
-snapshot reads it. No rules here: the service decides, this module reads and writes rows.
+the default, the user count), the `config_changes` rows, the tiers' and users' limits as
+the log reads them, and the statements a commit projects ops with. No rules here: the
+service decides, this module reads and writes rows.
+
+SQLAlchemy Core on a Connection: the hot statements are built once at import (their
+compiled form is cached), and rows come back as tuples, not ORM objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import msgspec
-from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from control_plane.db import one_of
 from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
@@ -88,12 +92,35 @@ def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
     )
 
 
+def set_default(conn: Connection, policy: Policy) -> None:
+    conn.execute(
+        update(config_state)
+        .where(config_state.c.id == CONFIG_ROW_ID)
+        .values(
+            default_rate=policy.rate,
+            default_scope=policy.scope,
+            default_enforcement=policy.enforcement,
+        )
+    )
+
+
 # ---- the configuration: tiers and users ------------------------------------------
 
 
-def tier_policies(conn: Connection) -> dict[str, Policy]:
-    """tier -> its policy, every tier."""
-    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement))
+_TIER_POLICIES = select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement)
+_TIER_POLICY = _TIER_POLICIES.where(tiers.c.name == bindparam("name"))
+
+
+def tier_policies(conn: Connection, names: Collection[str] | None = None) -> dict[str, Policy]:
+    """tier -> its policy: of every tier, or of those of `names` that exist."""
+    if names is None:
+        rows = conn.execute(_TIER_POLICIES)
+    elif len(names) == 1:  # the point query built once: a PUT of one user's hot path
+        rows = conn.execute(_TIER_POLICY, {"name": next(iter(names))})
+    elif names:
+        rows = conn.execute(_TIER_POLICIES.where(tiers.c.name.in_(list(names))))
+    else:
+        return {}
     return {name: Policy(rate, scope, mode) for name, rate, scope, mode in rows}
 
 
@@ -121,12 +148,16 @@ def user_record(row: Any) -> UserRecord:
     return UserRecord(tier, Policy(rate, scope, enforcement), version)
 
 
+_GET_USER = select(*RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
 # Ids per statement: SQLite binds at most 32,766 parameters; PostgreSQL gets one array.
 _IDS_PER_STATEMENT = 10_000
 
 
 def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
     """The records of those of `users` who have one (a statement per 10,000 ids)."""
+    if len(users) == 1:  # the point query built once: a PUT of one user's hot path
+        row = conn.execute(_GET_USER, {"user": users[0]}).one_or_none()
+        return {} if row is None else {users[0]: user_record(row)}
     found: dict[str, UserRecord] = {}
     for start in range(0, len(users), _IDS_PER_STATEMENT):
         chunk = list(users[start : start + _IDS_PER_STATEMENT])
@@ -151,6 +182,114 @@ def all_users(conn: Connection) -> dict[str, UserPolicy]:
         user: (tier, Policy(rate, scope, enforcement))
         for user, tier, rate, scope, enforcement in conn.execute(select(*columns))
     }
+
+
+# ---- what a commit writes: the ops projected onto the tables --------------------
+
+_INSERT_USER = insert(user_limits)
+_UPDATE_USER = (
+    update(user_limits)
+    .where(user_limits.c.user == bindparam("user_id"))
+    .values(
+        tier=bindparam("tier"),
+        rate=bindparam("rate"),
+        scope=bindparam("scope"),
+        enforcement=bindparam("enforcement"),
+        version=bindparam("version"),
+        updated_at=bindparam("updated_at"),
+    )
+)
+_DELETE_USER = delete(user_limits).where(user_limits.c.user == bindparam("user_id"))
+_ADD_TIER_USERS = (
+    update(tiers)
+    .where(tiers.c.name == bindparam("tier_name"))
+    .values(num_users=tiers.c.num_users + bindparam("delta"))
+)
+
+
+def insert_users(conn: Connection, records: Mapping[str, UserPolicy], *, version: int) -> None:
+    _write_users(conn, _INSERT_USER, records, version=version, user_key="user")
+
+
+def update_users(conn: Connection, records: Mapping[str, UserPolicy], *, version: int) -> None:
+    _write_users(conn, _UPDATE_USER, records, version=version, user_key="user_id")
+
+
+def _write_users(
+    conn: Connection,
+    statement: Any,
+    records: Mapping[str, UserPolicy],
+    *,
+    version: int,
+    user_key: str,
+) -> None:
+    """One executemany; `user_key` is the statement's parameter for the user id."""
+    now = datetime.now(UTC)
+    params = [
+        {
+            user_key: user,
+            "tier": tier,
+            "rate": policy.rate,
+            "scope": policy.scope,
+            "enforcement": policy.enforcement,
+            "version": version,
+            "updated_at": now,
+        }
+        for user, (tier, policy) in records.items()
+    ]
+    if params:
+        conn.execute(statement, params)
+
+
+def delete_users(conn: Connection, users: Iterable[str]) -> None:
+    params = [{"user_id": user} for user in users]
+    if params:
+        conn.execute(_DELETE_USER, params)
+
+
+def add_tier_users(conn: Connection, deltas: Mapping[str, int]) -> None:
+    """Move each tier's maintained user count by its delta."""
+    params = [{"tier_name": name, "delta": delta} for name, delta in deltas.items() if delta]
+    if params:
+        conn.execute(_ADD_TIER_USERS, params)
+
+
+def insert_tier(
+    conn: Connection, *, name: str, policy: Policy, description: str, version: int
+) -> None:
+    conn.execute(
+        insert(tiers).values(
+            name=name,
+            rate=policy.rate,
+            scope=policy.scope,
+            enforcement=policy.enforcement,
+            description=description,
+            version=version,
+            num_users=0,
+            updated_at=datetime.now(UTC),
+        )
+    )
+
+
+def update_tier(
+    conn: Connection, *, name: str, policy: Policy, description: str, version: int
+) -> None:
+    conn.execute(
+        update(tiers)
+        .where(tiers.c.name == name)
+        .values(
+            rate=policy.rate,
+            scope=policy.scope,
+            enforcement=policy.enforcement,
+            description=description,
+            version=version,
+            updated_at=datetime.now(UTC),
+        )
+    )
+
+
+def delete_tier(conn: Connection, name: str) -> None:
+    conn.execute(delete(tiers).where(tiers.c.name == name))
 
 
 # ---- the change log ----------------------------------------------------------------

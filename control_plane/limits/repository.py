@@ -1,19 +1,18 @@
-"""Limit queries: tiers, users, the default. No rules here: the service decides, this
-module reads and writes rows. The config row and the change log are the config log's
-(control_plane/config/repository.py); the one-statement reads here join its columns.
+"""Limit reads: one user's limit, tiers, pages of users. No rules here: the service
+decides, this module reads rows. A write's rows are written by the config log's commit
+(control_plane/config/), from the write's ops; the one-statement reads here join the
+config row's columns.
 
 SQLAlchemy Core on a Connection: the hot statements are built once at import (their
-compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
-costs a fifth of its ORM unit-of-work form (docs/control-plane.md, "How a request runs").
+compiled form is cached), and rows come back as named tuples, not ORM objects
+(docs/control-plane.md, "How a request runs").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, select
 
 from control_plane.config.repository import (
     CONFIG_ROW_ID,
@@ -30,21 +29,6 @@ from output_rate_core.policy import Policy
 
 tiers = table(Tier)
 user_limits = table(UserLimit)
-
-
-# ---- the default ---------------------------------------------------------------
-
-
-def set_default(conn: Connection, policy: Policy) -> None:
-    conn.execute(
-        update(config_state)
-        .where(config_state.c.id == CONFIG_ROW_ID)
-        .values(
-            default_rate=policy.rate,
-            default_scope=policy.scope,
-            default_enforcement=policy.enforcement,
-        )
-    )
 
 
 # ---- one user's limit, in one statement --------------------------------------
@@ -117,11 +101,6 @@ def _tier_row(row: Any) -> TierRow:
 
 
 _GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
-_ADD_TIER_USERS = (
-    update(tiers)
-    .where(tiers.c.name == bindparam("tier_name"))
-    .values(num_users=tiers.c.num_users + bindparam("delta"))
-)
 
 
 def get_tier(conn: Connection, name: str) -> TierRow | None:
@@ -133,77 +112,12 @@ def list_tiers(conn: Connection) -> list[TierRow]:
     return [_tier_row(r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
 
 
-def insert_tier(
-    conn: Connection, *, name: str, policy: Policy, description: str, version: int
-) -> None:
-    conn.execute(
-        insert(tiers).values(
-            name=name,
-            rate=policy.rate,
-            scope=policy.scope,
-            enforcement=policy.enforcement,
-            description=description,
-            version=version,
-            num_users=0,
-            updated_at=datetime.now(UTC),
-        )
-    )
-
-
-def update_tier(
-    conn: Connection, *, name: str, policy: Policy, description: str, version: int
-) -> None:
-    conn.execute(
-        update(tiers)
-        .where(tiers.c.name == name)
-        .values(
-            rate=policy.rate,
-            scope=policy.scope,
-            enforcement=policy.enforcement,
-            description=description,
-            version=version,
-            updated_at=datetime.now(UTC),
-        )
-    )
-
-
-def delete_tier(conn: Connection, name: str) -> None:
-    conn.execute(delete(tiers).where(tiers.c.name == name))
-
-
-def add_tier_users(conn: Connection, deltas: dict[str, int]) -> None:
-    params = [{"tier_name": name, "delta": delta} for name, delta in deltas.items() if delta]
-    if params:
-        conn.execute(_ADD_TIER_USERS, params)
-
-
 def tier_has_users(conn: Connection, name: str) -> bool:
     query = select(user_limits.c.user).where(user_limits.c.tier == name).limit(1)
     return conn.execute(query).first() is not None
 
 
 # ---- users -------------------------------------------------------------------
-
-_GET_USER = select(*RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
-_INSERT_USER = insert(user_limits)
-_UPDATE_USER = (
-    update(user_limits)
-    .where(user_limits.c.user == bindparam("user_id"))
-    .values(
-        tier=bindparam("tier"),
-        rate=bindparam("rate"),
-        scope=bindparam("scope"),
-        enforcement=bindparam("enforcement"),
-        version=bindparam("version"),
-        updated_at=bindparam("updated_at"),
-    )
-)
-_DELETE_USER = delete(user_limits).where(user_limits.c.user == bindparam("user"))
-
-
-def get_user(conn: Connection, user: str) -> UserRecord | None:
-    row = conn.execute(_GET_USER, {"user": user}).one_or_none()
-    return None if row is None else user_record(row)
 
 
 def all_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
@@ -212,39 +126,6 @@ def all_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserR
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
     return {user: user_record(record) for user, *record in conn.execute(query)}
-
-
-def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
-    _write_users(conn, _INSERT_USER, records, user_key="user")
-
-
-def update_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
-    _write_users(conn, _UPDATE_USER, records, user_key="user_id")
-
-
-def _write_users(
-    conn: Connection, statement: Any, records: Iterable[tuple[str, UserRecord]], *, user_key: str
-) -> None:
-    """One executemany; `user_key` is the statement's parameter for the user id."""
-    now = datetime.now(UTC)
-    params = [
-        {
-            user_key: user,
-            "tier": r.tier,
-            "rate": r.policy.rate,
-            "scope": r.policy.scope,
-            "enforcement": r.policy.enforcement,
-            "version": r.version,
-            "updated_at": now,
-        }
-        for user, r in records
-    ]
-    if params:
-        conn.execute(statement, params)
-
-
-def delete_user(conn: Connection, user: str) -> None:
-    conn.execute(_DELETE_USER, {"user": user})
 
 
 def prefix_upper_bound(prefix: str) -> str | None:
