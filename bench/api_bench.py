@@ -19,7 +19,6 @@ import signal
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,29 +29,12 @@ import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
 
+from harness.control_plane import empty_database
 from harness.servers import ControlPlane, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 AUTH = ControlPlane.auth_headers()
 NUM_USERS = 1_000_000
-
-
-@contextmanager
-def database(kind: str, workdir: Path) -> Iterator[str]:
-    if kind == "sqlite":
-        yield f"sqlite:///{workdir / 'bench.db'}"
-        return
-    schema = f"bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @contextmanager
@@ -230,7 +212,7 @@ def run_one(kind: str, seconds: float, concurrency: int) -> list[str]:
         f"1,000,000-step Python loop took {host_speed_ms():.0f} ms (lower is faster)",
         "",
     ]
-    with tempfile.TemporaryDirectory() as tmp, database(kind, Path(tmp)) as db_url:
+    with tempfile.TemporaryDirectory() as tmp, empty_database(kind, Path(tmp)) as db_url:
         with server(db_url, Path(tmp)) as (url, pid):
             results = [
                 measured(

@@ -26,10 +26,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from bench.api_bench import database
 from control_plane.app import create_app
-from control_plane.cli import upgrade
 from control_plane.settings import Settings
+from harness.control_plane import fresh_database
 
 TOKEN = "bench-admin-token"
 NUM_BULK_USERS = 10_000
@@ -44,8 +43,7 @@ def timed(call: Callable[[], Any]) -> tuple[Any, float, float]:
 
 
 def run(kind: str, runs: int) -> str:
-    with tempfile.TemporaryDirectory() as tmp, database(kind, Path(tmp)) as url:
-        upgrade(url)
+    with tempfile.TemporaryDirectory() as tmp, fresh_database(kind, Path(tmp)) as url:
         settings = Settings(database_url=url, admin_token=TOKEN)  # type: ignore[arg-type]
         with TestClient(create_app(settings)) as client:
             client.headers["Authorization"] = f"Bearer {TOKEN}"

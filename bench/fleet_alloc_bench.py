@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
+from control_plane.settings import DEFAULT_SHARE_LEASE_S
 
 NUM_ENGINES = 50
 NUM_USERS = 10_000
@@ -50,7 +51,7 @@ class Clock:
 def run(churn_per_s: float, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     clock = Clock()
-    alloc = FleetAllocator(clock=clock)
+    alloc = FleetAllocator(lease_s=DEFAULT_SHARE_LEASE_S, clock=clock)
     engines = [f"engine-{i:02d}" for i in range(NUM_ENGINES)]
     users = [f"user-{i:05d}" for i in range(NUM_USERS)]
     # user -> engine -> streams

@@ -36,8 +36,8 @@ import httpx
 from sqlalchemy import create_engine, text
 
 from bench.report import concurrent_writes, pct, write_report
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import ApplyingEngine, Served, kill_hard, serve
+from harness.applying_engine import ApplyingEngine
+from harness.control_plane import Served, fresh_database, kill_hard, serve
 
 
 def ms(seconds: float) -> str:

@@ -31,8 +31,8 @@ from sqlalchemy import create_engine
 
 from bench.report import pct, write_report
 from control_plane.usage.repository import UsageRow, add_usage
+from harness.control_plane import ADMIN_TOKEN, fresh_database
 from harness.servers import free_port
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_USERS = 5_000

@@ -39,9 +39,9 @@ from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from control_plane.limits.plans import UserItem
 from control_plane.limits.schemas import MAX_BULK_ITEMS
+from harness.applying_engine import ApplyingEngine
 from harness.servers import free_port
 from output_rate_core.policy import Policy
-from tests.control_plane.served import ApplyingEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"

@@ -29,8 +29,8 @@ from bench.report import concurrent_writes, pct, write_report
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from control_plane.replicas.notify import ChangeAnnouncer, current_channel
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database
-from tests.control_plane.served import ApplyingEngine, serve
+from harness.applying_engine import ApplyingEngine
+from harness.control_plane import ADMIN_TOKEN, fresh_database, serve
 
 
 def writer_round(db: Database, *, threads: int, writes: int, tag: str) -> tuple[float, list[float]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane import __version__, routes
 from control_plane.audit import routes as audit_routes
 from control_plane.db import Database, make_engine
-from control_plane.deps import AppState
+from control_plane.deps import AppState, FleetView, UsageSource
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
 from control_plane.errors import ConfigurationError, DomainError
 from control_plane.fleet.coordinator import FleetCoordinator
-from control_plane.fleet.view import CurrentFleet, FleetView, NoFleet
+from control_plane.fleet.view import CurrentFleet, NoFleet
 from control_plane.keys import routes as key_routes
 from control_plane.keys.bucket import TokenBucket
 from control_plane.keys.last_used import KeyUseRecorder
@@ -45,7 +46,7 @@ from control_plane.replicas.single import hold_sqlite_lock
 from control_plane.settings import Settings
 from control_plane.tokens import routes as token_routes
 from control_plane.usage import routes as usage_routes
-from control_plane.usage.book import NoUsage, UsageBook, UsageSource
+from control_plane.usage.book import NoUsage, UsageBook
 from control_plane.usage.history import UsageRecorder
 from control_plane.usage.metrics import UsageCollector
 
@@ -81,13 +82,7 @@ def create_app(
 
     What the routes use is `app.state.control_plane` (control_plane.deps.AppState).
     """
-    if settings.admin_token is None and not insecure_no_auth:
-        raise ConfigurationError(
-            "OUTPUT_RATE_ADMIN_TOKEN is not set; set it, or pass insecure_no_auth "
-            "(--insecure-no-auth) on a private test machine"
-        )
-    if insecure_no_auth:
-        logger.warning(INSECURE_WARNING)
+    _check_authentication(settings, insecure_no_auth=insecure_no_auth)
     app = FastAPI(title="vllm-output-rate control plane", version=__version__)
     usage_source = NoUsage() if usage_source is None else usage_source
     metrics = Metrics(
@@ -107,41 +102,63 @@ def create_app(
         ),
         lease=lease,
     )
+    _answer_errors(app)
+    _route(app, metrics)
+    _serve_ui(app)
+    return app
 
-    # The one place errors become HTTP: every error body is {"detail": str, "field": ...}.
-    @app.exception_handler(DomainError)
-    async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
-        body: dict[str, Any] = {"detail": exc.message, "field": exc.field}
-        if exc.errors is not None:
-            body["errors"] = exc.errors
-        return JSONResponse(
-            body,
-            status_code=exc.status_code,
-            headers=exc.headers,
+
+def _check_authentication(settings: Settings, *, insecure_no_auth: bool) -> None:
+    if settings.admin_token is None and not insecure_no_auth:
+        raise ConfigurationError(
+            "OUTPUT_RATE_ADMIN_TOKEN is not set; set it, or pass insecure_no_auth "
+            "(--insecure-no-auth) on a private test machine"
         )
+    if insecure_no_auth:
+        logger.warning(INSECURE_WARNING)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {
-                "field": _field_name(e.get("loc", ())),
-                "msg": str(e.get("msg", "invalid")),
-                "type": str(e.get("type", "")),
-            }
-            for e in exc.errors()
-        ]
-        detail = "; ".join(f"{e['field']}: {e['msg']}" for e in errors) or "invalid input"
-        field = errors[0]["field"] if errors else None
-        return JSONResponse({"detail": detail, "field": field, "errors": errors}, status_code=422)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            {"detail": str(exc.detail), "field": None},
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+def _answer_errors(app: FastAPI) -> None:
+    """The one place errors become HTTP: every error body is {"detail": str, "field": ...}."""
+    app.exception_handler(DomainError)(_domain_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
 
+
+async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
+    body: dict[str, Any] = {"detail": exc.message, "field": exc.field}
+    if exc.errors is not None:
+        body["errors"] = exc.errors
+    return JSONResponse(
+        body,
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {
+            "field": _field_name(e.get("loc", ())),
+            "msg": str(e.get("msg", "invalid")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    detail = "; ".join(f"{e['field']}: {e['msg']}" for e in errors) or "invalid input"
+    field = errors[0]["field"] if errors else None
+    return JSONResponse({"detail": detail, "field": field, "errors": errors}, status_code=422)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(
+        {"detail": str(exc.detail), "field": None},
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+def _route(app: FastAPI, metrics: Metrics) -> None:
     for domain in (
         routes,
         limit_routes,
@@ -156,14 +173,14 @@ def create_app(
     app.add_middleware(EdgeGuard)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
+
+def _serve_ui(app: FastAPI) -> None:
     if (UI_DIR / "index.html").exists():
         app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
         return RedirectResponse("/ui/" if (UI_DIR / "index.html").exists() else "/docs")
-
-    return app
 
 
 @dataclass
@@ -239,75 +256,40 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     the leader replica only, the others relay to it (docs/replicas.md); on SQLite (one
     replica) it always runs here."""
     engine = make_engine(settings.database_url)
-    if engine.dialect.name == "postgresql":
+    replicated = engine.dialect.name == "postgresql"
+    if replicated:
         release_locks_of_stopped_replicas(engine)
     db = Database(engine)
     book = UsageBook()
     replica_id = settings.replica_id or default_replica_id()
     lease = LeaseKeeper(db, holder=replica_id)
-
-    def make_fleet(quiet_until: float = float("-inf")) -> FleetCoordinator:
-        return FleetCoordinator(
-            lease_s=settings.share_lease_s,
-            gone_after_s=settings.share_gone_after_s,
-            quiet_until=quiet_until,
-        )
-
     key_uses = KeyUseRecorder(db)
-    relay = None
-    # Live usage: this replica's book; with replicas, merged with the others' (SQLite: one).
-    usage_source: UsageSource = book
-    live: FleetUsage | None = None
-    collectors: list[Collector] = []
-    if db.engine.dialect.name == "postgresql":
-        with db.engine.connect() as conn:
-            channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
-        relay = fleet_relay.FleetRelay(
-            db,
-            replica_id=replica_id,
-            term=lambda: lease.term,
-            channel=channel,
-            notify=settings.replica_notify,
-        )
-        push = PushServer.from_settings(
-            settings,
-            db=db,
-            usage=book,
-            key_uses=key_uses.add,
-            relay=relay,
-            term=lambda: lease.term,
-            make_fleet=make_fleet,
-        )
-        relay.on_arrival = push.wake
-        live = usage_source = FleetUsage(
-            db, book, replica_id=replica_id, term=lambda: lease.term, allocator=lambda: push.fleet
-        )
-        collectors.append(LiveUsageCollector(live))
-        # The leader shows its allocator's shares; a follower, what the leader last wrote.
-        shared = live
-        fleet: FleetView = CurrentFleet(
-            lambda: push.fleet if push.fleet is not None else shared.shares()
-        )
+    if replicated:
+        push_side = _push_among_replicas(settings, db, book, key_uses, lease, replica_id)
     else:
-        push = PushServer.from_settings(
-            settings, db=db, usage=book, fleet=make_fleet(), key_uses=key_uses.add
-        )
-        fleet = CurrentFleet(lambda: push.fleet)
+        push_side = _push_alone(settings, db, book, key_uses)
+    push = push_side.push
     db.on_commit.append(push.notify)
     history = UsageRecorder(
         db,
         retention_days=settings.usage_retention_days,
         max_users_per_minute=settings.usage_history_max_users_per_minute,
-        term=None if relay is None else (lambda: lease.term),
+        term=(lambda: lease.term) if replicated else None,
     )
     book.on_report.append(history.add)
+    collectors: list[Collector] = [
+        PushCollector(push),
+        UsageCollector(book, history, push_side.usage_source),
+    ]
+    if push_side.live_usage is not None:
+        collectors.append(LiveUsageCollector(push_side.live_usage))
     app = create_app(
         settings,
         insecure_no_auth=insecure_no_auth,
         db=db,
-        usage_source=usage_source,
-        fleet=fleet,
-        collectors=[PushCollector(push), UsageCollector(book, history, usage_source), *collectors],
+        usage_source=push_side.usage_source,
+        fleet=push_side.fleet,
+        collectors=collectors,
         lease=lease,
     )
     served = Served(
@@ -318,8 +300,8 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         key_uses=key_uses,
         lease=lease,
         database_url=settings.database_url,
-        relay=relay,
-        live_usage=live,
+        relay=push_side.relay,
+        live_usage=push_side.live_usage,
         notify=settings.replica_notify,
     )
     # At shutdown, while the process still runs (uvicorn re-raises SIGTERM after it, so
@@ -327,3 +309,70 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     # the lease is released.
     app.router.on_shutdown.append(served.close)
     return served
+
+
+@dataclass(frozen=True)
+class _PushSide:
+    """The push server and what the app shows through it: live usage and fleet shares;
+    among replicas also the relay to the leader and the usage merged over replicas."""
+
+    push: PushServer
+    usage_source: UsageSource
+    fleet: FleetView
+    relay: fleet_relay.FleetRelay | None = None
+    live_usage: FleetUsage | None = None
+
+
+def _push_alone(
+    settings: Settings, db: Database, book: UsageBook, key_uses: KeyUseRecorder
+) -> _PushSide:
+    """SQLite, one replica: this one runs the fleet allocator, and its book is all usage."""
+    push = PushServer.from_settings(
+        settings, db=db, usage=book, fleet=_new_fleet(settings), key_uses=key_uses.add
+    )
+    return _PushSide(push=push, usage_source=book, fleet=CurrentFleet(lambda: push.fleet))
+
+
+def _push_among_replicas(
+    settings: Settings,
+    db: Database,
+    book: UsageBook,
+    key_uses: KeyUseRecorder,
+    lease: LeaseKeeper,
+    replica_id: str,
+) -> _PushSide:
+    """PostgreSQL: the leader runs the fleet allocator, the others relay to it; live usage
+    is this replica's book merged with the others'."""
+    with db.engine.connect() as conn:
+        channel = current_channel(conn, prefix=fleet_relay.CHANNEL_PREFIX)
+    relay = fleet_relay.FleetRelay(
+        db,
+        replica_id=replica_id,
+        term=lambda: lease.term,
+        channel=channel,
+        notify=settings.replica_notify,
+    )
+    push = PushServer.from_settings(
+        settings,
+        db=db,
+        usage=book,
+        key_uses=key_uses.add,
+        relay=relay,
+        term=lambda: lease.term,
+        make_fleet=partial(_new_fleet, settings),
+    )
+    relay.on_arrival = push.wake
+    live = FleetUsage(
+        db, book, replica_id=replica_id, term=lambda: lease.term, allocator=lambda: push.fleet
+    )
+    # The leader shows its allocator's shares; a follower, what the leader last wrote.
+    fleet = CurrentFleet(lambda: push.fleet if push.fleet is not None else live.shares())
+    return _PushSide(push=push, usage_source=live, fleet=fleet, relay=relay, live_usage=live)
+
+
+def _new_fleet(settings: Settings, quiet_until: float = float("-inf")) -> FleetCoordinator:
+    return FleetCoordinator(
+        lease_s=settings.share_lease_s,
+        gone_after_s=settings.share_gone_after_s,
+        quiet_until=quiet_until,
+    )

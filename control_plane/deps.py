@@ -4,23 +4,91 @@ dependencies that hand it out.
 The request owns its transaction: a route makes one `await db.run(service, ...)` call,
 which runs the service where its `@service` policy says, commits once (writes) when it
 returns and rolls back if it raises; a write is acknowledged only after its commit.
+
+The running parts the app reads (live usage, fleet shares, the metrics registry, the
+key-creation bound, the leader lease) belong to rooms that stand on the domains; the
+routes see each through the narrow protocol below, which the real object (wired by
+`app.py`) fits by its shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
+from sqlalchemy import Connection
 from starlette.applications import Starlette
 
 from control_plane.db import Database
-from control_plane.fleet.view import FleetView
-from control_plane.keys.bucket import TokenBucket
-from control_plane.metrics import Metrics
-from control_plane.replicas.lease import LeaseKeeper
 from control_plane.settings import Settings
-from control_plane.usage.book import UsageSource
+
+
+@dataclass(frozen=True)
+class UserUsage:
+    user: str
+    tokens_per_s_1s: float
+    tokens_per_s_10s: float
+    throttled_fraction: float
+    # Of the same request-steps, those a shadow limit would have refused (it served them).
+    would_throttle_fraction: float = 0.0
+
+
+class UsageSource(Protocol):
+    """What GET /usage and /metrics read of live usage (control_plane/usage/book.py)."""
+
+    def totals(self) -> list[UserUsage]:
+        """Per user, over the window: tokens/s and the throttled fraction."""
+        ...
+
+    def report_ages(self) -> dict[str, float]:
+        """Seconds since each engine's last usage report."""
+        ...
+
+    def rate_1s(self, user: str) -> float | None:
+        """One user's tokens/s over the short window, as `totals` has it (None: no report
+        in the window names the user); without computing everyone's."""
+        ...
+
+
+class FleetView(Protocol):
+    """What GET /limits/{user} and GET /engines show of fleet shares, read from the
+    allocator the push server runs (control_plane/fleet/view.py)."""
+
+    def shares_of(self, user: str) -> dict[str, int]:
+        """engine id -> the share (milli-tokens/s) it may be enforcing for the user."""
+        ...
+
+    def num_shared_users(self, engine_id: str) -> int:
+        """Users the engine holds a share for."""
+        ...
+
+
+class MetricsPage(Protocol):
+    """GET /metrics (control_plane/metrics.py)."""
+
+    def render(self, conn: Connection) -> bytes:
+        """The registry's text, its config and fleet gauges read in `conn`'s transaction."""
+        ...
+
+
+class KeyCreations(Protocol):
+    """The bound on POST /users/{user}/keys (control_plane/keys/bucket.py)."""
+
+    def take(self) -> float:
+        """Take a token: 0.0 when one was there, else the seconds until one is (none taken)."""
+        ...
+
+
+class Leadership(Protocol):
+    """This replica in the leader lease, as GET /readyz tells it
+    (control_plane/replicas/lease.py)."""
+
+    @property
+    def holder(self) -> str: ...
+
+    @property
+    def is_leader(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -30,16 +98,14 @@ class AppState:
     settings: Settings
     # Its on_commit callables get each new config version after its commit.
     db: Database
-    # What GET /usage and /metrics show of live usage.
     usage_source: UsageSource
-    # What GET /limits/{user} and GET /engines show of fleet shares.
     fleet: FleetView
-    metrics: Metrics
+    metrics: MetricsPage
     insecure_no_auth: bool
     # What POST /users/{user}/keys takes a token from (OUTPUT_RATE_KEY_CREATIONS_PER_MINUTE).
-    key_creations: TokenBucket
+    key_creations: KeyCreations
     # This replica's hold on the fleet-wide work (None: an app with no push endpoint).
-    lease: LeaseKeeper | None = None
+    lease: Leadership | None = None
 
 
 def app_state(app: Starlette) -> AppState:
@@ -64,24 +130,22 @@ async def get_fleet(request: Request) -> FleetView:
     return app_state(request.app).fleet
 
 
-async def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> MetricsPage:
     return app_state(request.app).metrics
 
 
-async def get_key_creations(request: Request) -> TokenBucket:
+async def get_key_creations(request: Request) -> KeyCreations:
     return app_state(request.app).key_creations
+
+
+async def get_lease(request: Request) -> Leadership | None:
+    return app_state(request.app).lease
 
 
 DatabaseDep = Annotated[Database, Depends(get_database)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+MetricsDep = Annotated[MetricsPage, Depends(get_metrics)]
 FleetDep = Annotated[FleetView, Depends(get_fleet)]
-KeyCreationsDep = Annotated[TokenBucket, Depends(get_key_creations)]
-
-
-async def get_lease(request: Request) -> LeaseKeeper | None:
-    return app_state(request.app).lease
-
-
-LeaseDep = Annotated[LeaseKeeper | None, Depends(get_lease)]
+KeyCreationsDep = Annotated[KeyCreations, Depends(get_key_creations)]
+LeaseDep = Annotated[Leadership | None, Depends(get_lease)]

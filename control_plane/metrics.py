@@ -14,10 +14,10 @@ from sqlalchemy import Connection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.db import service
+from control_plane.deps import MetricsPage, UsageSource
 from control_plane.engines import service as engines
 from control_plane.limits import service as limits
 from control_plane.usage import service as usage
-from control_plane.usage.book import UsageSource
 
 # Label of users that have no tier.
 NO_TIER = ""
@@ -127,7 +127,7 @@ class Metrics:
 
 
 @service("read")
-def render(conn: Connection, *, metrics: Metrics) -> bytes:
+def render(conn: Connection, *, metrics: MetricsPage) -> bytes:
     """GET /metrics: the registry's text, its config and fleet gauges read now."""
     return metrics.render(conn)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from sqlalchemy import (
     JSON,
@@ -25,7 +25,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from control_plane.audit.targets import TARGET_KIND_LEN, TARGET_KINDS
 from output_rate_core.ids import (
     MAX_ENGINE_ID_LEN,
     MAX_MODEL_LEN,
@@ -189,6 +188,16 @@ class ConfigChange(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ops: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+
+# What an audit entry is about (control_plane/audit/targets.py), each kind its own
+# namespace of ids. user: a user's record or its API keys (id: the user); tier: a tier
+# (its name); default: the default limit (id "default"); token: a viewer token (its id);
+# bulk: one bulk change of many users (id: "<n> users", a label; its before/after map
+# each user to its record, and each user's pair is also an audit_targets row).
+TargetKind = Literal["user", "tier", "default", "token", "bulk"]
+TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
+TARGET_KIND_LEN = max(len(kind) for kind in TARGET_KINDS)
 
 
 def _target_kind_check(column: str) -> str:

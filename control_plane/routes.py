@@ -12,8 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from control_plane import metrics as metrics_service
 from control_plane.auth import ReaderDep
-from control_plane.deps import DatabaseDep, LeaseDep, MetricsDep
-from control_plane.replicas.lease import LeaseKeeper
+from control_plane.deps import DatabaseDep, Leadership, LeaseDep, MetricsDep
 from control_plane.schemas import ERRORS, Health, Readiness, SessionOut
 
 router = APIRouter(responses=ERRORS)
@@ -43,7 +42,7 @@ async def readyz(db: DatabaseDep, lease: LeaseDep) -> JSONResponse:
     return JSONResponse(Readiness(status="ready", database="ok", **_replica(lease)).model_dump())
 
 
-def _replica(lease: LeaseKeeper | None) -> dict[str, Any]:
+def _replica(lease: Leadership | None) -> dict[str, Any]:
     if lease is None:
         return {"replica": None, "leader": None}
     return {"replica": lease.holder, "leader": lease.is_leader}

@@ -6,12 +6,12 @@ message naming its variable (docs/control-plane.md, "Settings")."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control_plane.fleet.allocator import DEFAULT_LEASE_S
+from control_plane.curve_keys import AllowList, check_z85_key, parse_allow_list
 from output_rate_core.protocol import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger("control_plane")
@@ -24,6 +24,7 @@ RECOMMENDED_ADMIN_TOKEN_LEN = 16
 MIN_TIMEOUT_HEARTBEATS = 1.5
 DEFAULT_ENGINE_TIMEOUT_S = 5.0
 DEFAULT_ENGINE_RETENTION_S = 24 * 3600.0
+DEFAULT_SHARE_LEASE_S = 10.0
 DEFAULT_HISTORY_MAX_USERS_PER_MINUTE = 5_000
 
 
@@ -54,7 +55,7 @@ class Settings(BaseSettings):
     # Fleet shares (docs/fleet.md): an engine that hears no renewal for the lease falls
     # back to its safe share; an engine silent for gone_after (default 3 x lease) is
     # dropped from the fleet and its part goes to the others.
-    share_lease_s: float = Field(default=DEFAULT_LEASE_S, ge=1.0, le=3600.0)
+    share_lease_s: float = Field(default=DEFAULT_SHARE_LEASE_S, ge=1.0, le=3600.0)
     share_gone_after_s: float | None = Field(default=None, le=86_400.0)
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
@@ -128,8 +129,6 @@ class Settings(BaseSettings):
     @field_validator("zmq_secret_key")
     @classmethod
     def _secret_key(cls, value: SecretStr | None) -> SecretStr | None:
-        from control_plane.push.keys import check_z85_key
-
         if value is not None:
             check_z85_key(value.get_secret_value(), variable=variable("zmq_secret_key"))
         return value
@@ -137,8 +136,6 @@ class Settings(BaseSettings):
     @field_validator("zmq_public_key")
     @classmethod
     def _public_key(cls, value: str | None) -> str | None:
-        from control_plane.push.keys import check_z85_key
-
         if value is not None and value != "":
             check_z85_key(value, variable=variable("zmq_public_key"))
         return value or None
@@ -146,8 +143,6 @@ class Settings(BaseSettings):
     @field_validator("zmq_client_keys")
     @classmethod
     def _client_keys(cls, value: str) -> str:
-        from control_plane.push.keys import parse_allow_list
-
         parse_allow_list(value, variable=variable("zmq_client_keys"))
         return value
 
@@ -195,11 +190,9 @@ class Settings(BaseSettings):
             )
         return self
 
-    def allowed_engine_keys(self) -> dict[str, Any]:
+    def allowed_engine_keys(self) -> AllowList:
         """OUTPUT_RATE_ZMQ_CLIENT_KEYS parsed: key -> engine ids it may claim (None: any)."""
-        from control_plane.push.keys import parse_allow_list
-
-        return dict(parse_allow_list(self.zmq_client_keys))
+        return parse_allow_list(self.zmq_client_keys)
 
 
 def settings_errors(error: Exception) -> list[str]:

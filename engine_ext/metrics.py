@@ -347,124 +347,186 @@ class OutputRateCollector(Collector):
         now = self._clock()
         with self._lock:
             latest = sorted(self._latest.items())
-        base = ["model_name", "engine"]
-        user_labels = [*base, "user"]
-        granted = CounterMetricFamily(
+        users, engines, intervals, fleet = _Users(), _Engines(), _Intervals(), _Fleet()
+        for engine_idx, (model_name, snapshot, received) in latest:
+            labels = [model_name, str(engine_idx)]
+            num_tracked = users.add(labels, snapshot, age_s=now - received)
+            engines.add(labels, snapshot, num_tracked=num_tracked)
+            intervals.add(labels, snapshot)
+            fleet.add(labels, snapshot)
+        for part in (users, engines, intervals, fleet):
+            yield from part.families()
+
+
+# vLLM's labels of an engine's series; a user's series add the user.
+ENGINE_LABELS = ["model_name", "engine"]
+USER_LABELS = [*ENGINE_LABELS, "user"]
+
+
+class _Users:
+    """The per-user series of one scrape."""
+
+    def __init__(self) -> None:
+        self.granted = CounterMetricFamily(
             "vllm:output_rate_granted_tokens",
             "Output tokens granted per user by the output-rate limiter",
-            labels=user_labels,
+            labels=USER_LABELS,
         )
-        throttled = CounterMetricFamily(
+        self.throttled = CounterMetricFamily(
             "vllm:output_rate_throttled_steps",
             "Request-steps refused a token per user (one per throttled request per step)",
-            labels=user_labels,
+            labels=USER_LABELS,
         )
-        would_throttle = CounterMetricFamily(
+        self.would_throttle = CounterMetricFamily(
             "vllm:output_rate_would_throttle_steps",
             "Request-steps a shadow limit would have refused per user (they were served)",
-            labels=user_labels,
+            labels=USER_LABELS,
         )
-        limit = GaugeMetricFamily(
+        self.limit = GaugeMetricFamily(
             "vllm:output_rate_user_limit_tokens_per_second",
             "Effective limit of each user with a series (absent: unlimited)",
-            labels=user_labels,
+            labels=USER_LABELS,
         )
-        default = GaugeMetricFamily(
+
+    def add(self, labels: list[str], snapshot: MetricsSnapshot, *, age_s: float) -> int:
+        """One engine's users, those idle past the snapshot's idle_s by now (`age_s` after
+        it arrived) left out, and OTHER_USER; returns how many users had a series."""
+        num_tracked = 0
+        for user, figures in snapshot.users.items():
+            if figures.idle_s + age_s > snapshot.idle_s:
+                continue
+            num_tracked += 1
+            self.granted.add_metric([*labels, user], figures.num_granted)
+            self.throttled.add_metric([*labels, user], figures.num_throttled)
+            self.would_throttle.add_metric([*labels, user], figures.num_would_throttle)
+            if figures.rate is not None:
+                self.limit.add_metric([*labels, user], figures.rate)
+        self.granted.add_metric([*labels, OTHER_USER], snapshot.num_other_granted)
+        self.throttled.add_metric([*labels, OTHER_USER], snapshot.num_other_throttled)
+        self.would_throttle.add_metric([*labels, OTHER_USER], snapshot.num_other_would_throttle)
+        return num_tracked
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.granted, self.throttled, self.would_throttle, self.limit)
+
+
+class _Engines:
+    """The per-engine series of one scrape: its limiter and its link to the control plane."""
+
+    def __init__(self) -> None:
+        self.default = GaugeMetricFamily(
             "vllm:output_rate_default_limit_tokens_per_second",
             "Limit of users without their own (absent: unlimited)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        tracked = GaugeMetricFamily(
+        self.tracked = GaugeMetricFamily(
             "vllm:output_rate_tracked_users",
             "Users with a series of their own (the rest are user=__other__)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        resident = GaugeMetricFamily(
+        self.resident = GaugeMetricFamily(
             "vllm:output_rate_throttled_requests",
             "Requests refused a token in the last step that stay resident (keep KV blocks)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        reclaims = CounterMetricFamily(
+        self.reclaims = CounterMetricFamily(
             "vllm:output_rate_slot_reclaims",
             "Worker slots taken back from throttled requests (preempted for users with budget)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        reclaimed = CounterMetricFamily(
+        self.reclaimed = CounterMetricFamily(
             "vllm:output_rate_reclaimed_tokens",
             "Computed tokens of reclaimed requests (recomputed unless prefix-cached)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        version = GaugeMetricFamily(
+        self.version = GaugeMetricFamily(
             "vllm:output_rate_config_version",
             "Config version of the control plane this engine applied",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        connected = GaugeMetricFamily(
+        self.connected = GaugeMetricFamily(
             "vllm:output_rate_control_plane_connected",
             "1 while in sync with the control plane, 0 while it is silent or resyncing",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        fleet_size = GaugeMetricFamily(
+
+    def add(self, labels: list[str], snapshot: MetricsSnapshot, *, num_tracked: int) -> None:
+        self.tracked.add_metric(labels, num_tracked)
+        if snapshot.default_rate is not None:
+            self.default.add_metric(labels, snapshot.default_rate)
+        self.resident.add_metric(labels, snapshot.num_throttled_resident)
+        self.reclaims.add_metric(labels, snapshot.num_reclaims)
+        self.reclaimed.add_metric(labels, snapshot.num_reclaimed_tokens)
+        if snapshot.config_version is not None:
+            self.version.add_metric(labels, snapshot.config_version)
+            self.connected.add_metric(labels, 1 if snapshot.connected else 0)
+
+    def families(self) -> tuple[Metric, ...]:
+        return (
+            self.default,
+            self.tracked,
+            self.resident,
+            self.reclaims,
+            self.reclaimed,
+            self.version,
+            self.connected,
+        )
+
+
+class _Intervals:
+    """The engine-side token intervals of throttled users, per engine and tier."""
+
+    def __init__(self) -> None:
+        self.intervals = HistogramMetricFamily(
+            "vllm:output_rate_token_interval_seconds",
+            "Engine-side time between consecutive tokens of a throttled user, per tier",
+            labels=[*ENGINE_LABELS, "tier"],
+        )
+
+    def add(self, labels: list[str], snapshot: MetricsSnapshot) -> None:
+        bounds = (*INTERVAL_BUCKETS, float("inf"))
+        for tier, tier_intervals in snapshot.intervals.items():
+            # Prometheus buckets are cumulative; the snapshot's counts are not.
+            buckets, running = [], 0
+            for bound, count in zip(bounds, tier_intervals.counts, strict=True):
+                running += count
+                buckets.append((_le(bound), running))
+            self.intervals.add_metric([*labels, tier], buckets, tier_intervals.sum_s)
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.intervals,)
+
+
+class _Fleet:
+    """The per-engine series of fleet shares (docs/fleet.md); none without a control plane."""
+
+    def __init__(self) -> None:
+        self.fleet_size = GaugeMetricFamily(
             "vllm:output_rate_fleet_engines",
             "Engines in the fleet as the control plane last said (fleet limits without a "
             "share are split by it)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        num_shares = GaugeMetricFamily(
+        self.num_shares = GaugeMetricFamily(
             "vllm:output_rate_fleet_shares",
             "Users this engine holds a fleet share for (each user's share is its "
             "vllm:output_rate_user_limit_tokens_per_second)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        leased = GaugeMetricFamily(
+        self.leased = GaugeMetricFamily(
             "vllm:output_rate_fleet_lease_valid",
             "1 while the fleet shares' lease holds, 0 once it ran out (safe shares apply)",
-            labels=base,
+            labels=ENGINE_LABELS,
         )
-        intervals = HistogramMetricFamily(
-            "vllm:output_rate_token_interval_seconds",
-            "Engine-side time between consecutive tokens of a throttled user, per tier",
-            labels=[*base, "tier"],
-        )
-        for engine_idx, (model_name, snapshot, received) in latest:
-            labels = [model_name, str(engine_idx)]
-            age = now - received
-            num_tracked = 0
-            for user, figures in snapshot.users.items():
-                if figures.idle_s + age > snapshot.idle_s:
-                    continue
-                num_tracked += 1
-                granted.add_metric([*labels, user], figures.num_granted)
-                throttled.add_metric([*labels, user], figures.num_throttled)
-                would_throttle.add_metric([*labels, user], figures.num_would_throttle)
-                if figures.rate is not None:
-                    limit.add_metric([*labels, user], figures.rate)
-            granted.add_metric([*labels, OTHER_USER], snapshot.num_other_granted)
-            throttled.add_metric([*labels, OTHER_USER], snapshot.num_other_throttled)
-            would_throttle.add_metric([*labels, OTHER_USER], snapshot.num_other_would_throttle)
-            tracked.add_metric(labels, num_tracked)
-            if snapshot.default_rate is not None:
-                default.add_metric(labels, snapshot.default_rate)
-            resident.add_metric(labels, snapshot.num_throttled_resident)
-            reclaims.add_metric(labels, snapshot.num_reclaims)
-            reclaimed.add_metric(labels, snapshot.num_reclaimed_tokens)
-            if snapshot.config_version is not None:
-                version.add_metric(labels, snapshot.config_version)
-                connected.add_metric(labels, 1 if snapshot.connected else 0)
-            if snapshot.fleet_size is not None:
-                fleet_size.add_metric(labels, snapshot.fleet_size)
-                num_shares.add_metric(labels, snapshot.num_shares or 0)
-                leased.add_metric(labels, 1 if snapshot.shares_leased else 0)
-            for tier, tier_intervals in snapshot.intervals.items():
-                buckets, running = [], 0
-                bounds = (*INTERVAL_BUCKETS, float("inf"))
-                for bound, count in zip(bounds, tier_intervals.counts, strict=True):
-                    running += count
-                    buckets.append((_le(bound), running))
-                intervals.add_metric([*labels, tier], buckets, tier_intervals.sum_s)
-        yield from (granted, throttled, would_throttle, limit, default, tracked, resident)
-        yield from (reclaims, reclaimed, version, connected, intervals)
-        yield from (fleet_size, num_shares, leased)
+
+    def add(self, labels: list[str], snapshot: MetricsSnapshot) -> None:
+        if snapshot.fleet_size is not None:
+            self.fleet_size.add_metric(labels, snapshot.fleet_size)
+            self.num_shares.add_metric(labels, snapshot.num_shares or 0)
+            self.leased.add_metric(labels, 1 if snapshot.shares_leased else 0)
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.fleet_size, self.num_shares, self.leased)
 
 
 def _le(bound: float) -> str:

@@ -3,6 +3,12 @@
 - ``scheduler``: the real vLLM 0.32.0 schedulers built in-process on the CPU,
   requests, hand-built model-runner outputs (the only fake) and a fake clock.
 - ``servers``: real ``vllm`` server processes on the tiny local model, ports.
+- ``control_plane``: empty or migrated databases (SQLite, a PostgreSQL schema) and
+  ``output-rate serve`` as a subprocess; the admin token both use.
+- ``applying_engine``: a real push client applying what arrives on a thread of its
+  own, as an engine core does, without vLLM.
+- ``scripted_server``: a push server a test drives frame by frame.
 - ``client``: an OpenAI-API streaming client that times every token.
+- ``prometheus``: a real Prometheus (Debian's package) as a process on a random port.
 - ``cpu_async_server``: the launcher that keeps ``--async-scheduling`` on on CPU.
 """

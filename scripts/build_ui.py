@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
 OUT = ROOT / "control_plane" / "ui"
 
-# Our own files, copied as they are; plus every ES module under web/src/ (the views;
-# pyproject.toml's package-data lists ui/src/* and ui/src/views/*).
-FIRST_PARTY = ("index.html", "app.js", "style.css", "favicon.svg")
+# Our own files, copied as they are; plus every ES module under web/src/ and every style
+# sheet under web/styles/ (pyproject.toml's package-data lists each of their folders).
+FIRST_PARTY = ("index.html", "app.js", "favicon.svg")
 MODULES_DIR = "src"
+STYLES_DIR = "styles"
 # node_modules path -> served path (index.html refers to the served path).
 THIRD_PARTY = {
     "uplot/dist/uPlot.min.css": "vendor/uPlot.min.css",
@@ -65,10 +66,14 @@ def _unshipped_imports(sources: dict[str, Path]) -> list[str]:
     return bad
 
 
+def _under(web: Path, folder: str, pattern: str) -> list[str]:
+    return sorted(p.relative_to(web).as_posix() for p in (web / folder).rglob(pattern))
+
+
 def first_party_files(web: Path = WEB) -> list[str]:
-    """Our served files: FIRST_PARTY and the ES modules under web/src/ (served paths)."""
-    modules = sorted(p.relative_to(web).as_posix() for p in (web / MODULES_DIR).rglob("*.js"))
-    return [*FIRST_PARTY, *modules]
+    """Our served files: FIRST_PARTY, the style sheets under web/styles/ and the ES modules
+    under web/src/ (served paths)."""
+    return [*FIRST_PARTY, *_under(web, STYLES_DIR, "*.css"), *_under(web, MODULES_DIR, "*.js")]
 
 
 def build(web: Path = WEB, out: Path = OUT) -> list[Path]:

@@ -4,6 +4,8 @@
 - control_plane (and the migrations): never vLLM nor the engine extension.
 - engine_ext: never SQLAlchemy, FastAPI, Alembic nor the control plane.
 - harness, tests, bench and scripts are never imported by a shipped package.
+- harness and bench never import tests (what both need is in harness); harness never
+  imports bench.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ FORBIDDEN = {
         "starlette",
         *NEVER_SHIPPED,
     },
+    "harness": {"tests", "bench", "scripts"},
+    "bench": {"tests", "scripts"},
 }
 
 

@@ -5,15 +5,9 @@ token or a bulk change (each kind is its own namespace)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
-# user: a user's record or its API keys (id: the user); tier: a tier (its name); default:
-# the default limit (id "default"); token: a viewer token (its id); bulk: one bulk change
-# of many users (id: "<n> users", a label; its before/after map each user to its record,
-# and each user's pair is also an audit_targets row).
-TargetKind = Literal["user", "tier", "default", "token", "bulk"]
-TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
-TARGET_KIND_LEN = max(len(kind) for kind in TARGET_KINDS)
+from control_plane.models import TargetKind
+
 DEFAULT_ID = "default"
 
 

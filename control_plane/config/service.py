@@ -6,8 +6,9 @@ concurrency, on both databases, the log replays version n-1 into n, and the tabl
 written from the very ops the log keeps.
 
 Readers: `current_version`, `changes_since` and `load_snapshot` (what engines are
-pushed), and the follower (control_plane/config/follower.py) that keeps a limit model at
-the newest version."""
+pushed), the follower (control_plane/config/follower.py) that keeps a limit model at the
+newest version, and the reads of the configuration other domains resolve with
+(`tier_policies`, `user_records`, `effective_rates`, `tiers_of`)."""
 
 from __future__ import annotations
 
@@ -124,20 +125,15 @@ def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord
     return repo.user_records(conn, users)
 
 
-def load_model(conn: Connection, users: Sequence[str]) -> LimitModel:
-    """The limit model of `users`: the default, every tier, and the records of those of
-    them who have one."""
+def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
+    """Each user's effective rate (None: unlimited), resolved in the limit model of the
+    default, every tier and the records of these users."""
     records = repo.user_records(conn, users)
-    return LimitModel(
+    model = LimitModel(
         repo.get_config(conn).default,
         repo.tier_policies(conn),
         {user: (r.tier, r.policy) for user, r in records.items()},
     )
-
-
-def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
-    """Each user's effective rate (None: unlimited)."""
-    model = load_model(conn, users)
     return {user: model.effective(user).rate for user in users}
 
 

@@ -10,11 +10,12 @@ from sqlalchemy import Connection
 
 from control_plane.config import service as config
 from control_plane.db import service
+from control_plane.deps import FleetView
 from control_plane.engines import repository as repo
 from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
-from control_plane.fleet.view import FleetView, NoFleet
-from control_plane.replicas.lease import LEADER, check_fence, database_now
+from control_plane.fencing import LEADER, check_fence, database_now
+from control_plane.fleet.view import NoFleet
 from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.

@@ -32,8 +32,6 @@ from output_rate_core.limits import safe_share
 from output_rate_core.protocol import MILLI
 from output_rate_core.rates import validate_rate
 
-DEFAULT_LEASE_S = 10.0
-
 
 def split(budget: int, streams: Mapping[str, int]) -> dict[str, int]:
     """``budget`` split over engines in proportion to their streams (all > 0), largest remainder
@@ -164,8 +162,8 @@ class FleetAllocator:
     def __init__(
         self,
         *,
+        lease_s: float,
         clock: Callable[[], float] = time.monotonic,
-        lease_s: float = DEFAULT_LEASE_S,
         gone_after_s: float | None = None,
         renew_s: float | None = None,
     ) -> None:

@@ -2,7 +2,7 @@
 server's thread; read by REST threads (it is their ``FleetView``).
 
 The push server calls it for every bound engine's message (``heard``, ``on_demand``,
-``on_ack``), after it reads the change log (``refresh``) and on every loop turn
+``on_ack``), after it reads the change log (``catch_up``) and on every loop turn
 (``step``), and sends the ``Shares`` frames it returns. The limit model is the one both
 sides use (output_rate_core.limits.LimitModel), kept at the change log's newest
 version by a log follower (control_plane/config/follower.py); only users some engine
@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from control_plane.config.follower import ConfigLog, LogFollower
+from control_plane.config.follower import Catchup, LogFollower
 from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
 from output_rate_core import protocol as p
 from output_rate_core.limits import EVERYONE, FLEET
@@ -84,11 +84,11 @@ class FleetCoordinator:
     def num_engines(self) -> int:
         return max(1, self._allocator.num_engines)
 
-    def refresh(self, log: ConfigLog) -> None:
-        """Bring the limit model to the change log's newest version; the users it tracks
-        whose limit a change may have moved get their new limit."""
-        catchup = self._limits.read(log)
-        if catchup is None:
+    def catch_up(self, catchup: Catchup) -> None:
+        """Bring the limit model to the change log's newest version (`catchup`: read by the
+        push server's log reader at the model's version); the users it tracks whose limit a
+        change may have moved get their new limit."""
+        if catchup.up_to_date:
             return
         changed: set[str] | None = set()
 

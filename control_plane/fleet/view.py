@@ -1,20 +1,11 @@
-"""What the REST API shows of fleet shares (GET /limits/{user}, GET /engines): read from
-the allocator the push server runs, through this narrow interface."""
+"""The fleet views (control_plane/deps.py, FleetView) the app is given: none, or the
+allocator this replica runs now."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
-
-class FleetView(Protocol):
-    def shares_of(self, user: str) -> dict[str, int]:
-        """engine id -> the share (milli-tokens/s) it may be enforcing for the user."""
-        ...
-
-    def num_shared_users(self, engine_id: str) -> int:
-        """Users the engine holds a share for."""
-        ...
+from control_plane.deps import FleetView
 
 
 class NoFleet:

@@ -17,9 +17,9 @@ from control_plane.audit import service as audit
 from control_plane.audit.targets import user_target
 from control_plane.config import service as config
 from control_plane.db import ConfigChange, service
+from control_plane.deps import KeyCreations
 from control_plane.errors import Conflict, NotFound, TooManyRequests
 from control_plane.keys import repository as repo
-from control_plane.keys.bucket import TokenBucket
 from control_plane.keys.schemas import KeyCreated, KeyList, KeyOut
 from output_rate_core import keys
 from output_rate_core import protocol as p
@@ -35,7 +35,7 @@ def _audit_record(key_id: str, user: str) -> dict[str, str]:
 
 @service("write")
 def create_key(
-    conn: Connection, *, actor: str, user: str, max_keys_per_user: int, bucket: TokenBucket
+    conn: Connection, *, actor: str, user: str, max_keys_per_user: int, bucket: KeyCreations
 ) -> ConfigChange[KeyCreated]:
     """A new key of `user`; the response is the only place the key itself ever shows."""
     state = config.lock(conn)

@@ -20,8 +20,8 @@ from control_plane import db
 from control_plane.audit import service as audit
 from control_plane.config import service as config
 from control_plane.db import ConfigChange, Service, service
+from control_plane.deps import FleetView, UsageSource
 from control_plane.errors import InvalidInput
-from control_plane.fleet.view import FleetView
 from control_plane.limits import plans
 from control_plane.limits import repository as repo
 from control_plane.limits.plans import Plan
@@ -36,7 +36,6 @@ from control_plane.limits.schemas import (
     TierOut,
 )
 from control_plane.limits.views import default_view, limit_view, shares_view, tier_view
-from control_plane.usage.book import UsageSource
 from output_rate_core.limits import LimitModel
 
 T = TypeVar("T")

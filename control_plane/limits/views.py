@@ -5,7 +5,7 @@ come from the model's resolver (output_rate_core.limits.LimitModel.resolve)."""
 from __future__ import annotations
 
 from control_plane.config.repository import UserRecord
-from control_plane.fleet.view import FleetView
+from control_plane.deps import FleetView
 from control_plane.limits.repository import TierRow
 from control_plane.limits.schemas import DefaultOut, LimitOut, ShareOut, TierOut
 from output_rate_core import protocol as p

@@ -16,7 +16,7 @@ class PushCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        bound = list(self._server.peers.values())
+        bound = self._server.peers.all()
         # Connections that have not acknowledged a snapshot are no engine yet.
         everyone = [peer for peer in bound if peer.proven]
         peers = [peer for peer in everyone if peer.role == p.ENGINE_ROLE]
@@ -51,51 +51,51 @@ class PushCollector(Collector):
         dropped = CounterMetricFamily(
             "output_rate_push_dropped_messages", "Malformed engine messages dropped"
         )
-        dropped.add_metric([], self._server.num_dropped)
+        dropped.add_metric([], self._server.drops.total)
         yield dropped
         refused = CounterMetricFamily(
             "output_rate_push_snapshots_refused",
             "HELLO/RESYNC left unanswered: that connection got a snapshot within the last "
             "second, or has not acknowledged the last one",
         )
-        refused.add_metric([], self._server.num_snapshots_refused)
+        refused.add_metric([], self._server.publisher.num_snapshots_refused)
         yield refused
         sent = CounterMetricFamily(
             "output_rate_push_snapshots_sent", "Snapshots queued for engine connections"
         )
-        sent.add_metric([], self._server.num_snapshots_sent)
+        sent.add_metric([], self._server.publisher.num_snapshots_sent)
         yield sent
         unsent = CounterMetricFamily(
             "output_rate_push_frames_unsent",
             "Frames not queued because the connection's queue was full (it does not read)",
         )
-        unsent.add_metric([], self._server.num_frames_unsent)
+        unsent.add_metric([], self._server.outbox.num_frames_unsent)
         yield unsent
         allocating = GaugeMetricFamily(
             "output_rate_fleet_allocating",
             "1 while this replica runs the fleet allocator (the leader, or the only replica)",
         )
-        allocating.add_metric([], int(self._server.allocating))
+        allocating.add_metric([], int(self._server.leadership.allocating))
         yield allocating
         share_frames = CounterMetricFamily(
             "output_rate_fleet_share_frames",
             "Shares frames this replica's fleet allocator sent (to its engines or relayed)",
         )
-        share_frames.add_metric([], self._server.num_share_frames)
+        share_frames.add_metric([], self._server.leadership.num_share_frames)
         yield share_frames
         status_rows = CounterMetricFamily(
             "output_rate_push_engine_status_rows_written",
             "Engine status rows (GET /engines) this replica wrote",
         )
-        status_rows.add_metric([], self._server.num_status_rows_written)
+        status_rows.add_metric([], self._server.status.num_status_rows_written)
         yield status_rows
         elsewhere = CounterMetricFamily(
             "output_rate_push_binds_refused_elsewhere",
             "Engine ids refused because another replica holds them",
         )
-        elsewhere.add_metric([], self._server.num_binds_refused_elsewhere)
+        elsewhere.add_metric([], self._server.status.num_binds_refused_elsewhere)
         yield elsewhere
-        relay = self._server.relay
+        relay = self._server.leadership.relay
         if relay is not None:
             rows = CounterMetricFamily(
                 "output_rate_fleet_relay_rows_written", "Rows this replica wrote to fleet_relay"

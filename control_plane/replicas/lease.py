@@ -1,18 +1,11 @@
 """One elected replica at a time for the work that must run once for the fleet.
 
-A lease is a row of ``replica_leases``: its holder, until when (database time, so replicas'
-clocks need not agree) and a fencing token that grows by one whenever the holder changes.
-A replica takes the lease when it has expired and renews it every ``ttl / 3`` while it
-holds it. It acts as leader only until ``ttl`` after it *started* its last successful
-renewal (measured on its own monotonic clock), which is never later than the database
-deadline; so a replica that was paused (SIGSTOP, a long GC, a frozen VM) knows on waking
-that it no longer leads, before it does anything.
-
-Fencing: every write a leader makes for the fleet runs ``check_fence`` in its own
-transaction first: the lease row is read under a share lock and must still carry the
-leader's token and an unexpired deadline, else the write is refused (``NotLeader``) and
-rolled back. A new holder's token change waits for that lock, so a former leader's write
-either commits before the change or is refused after it, never interleaved.
+A replica takes the lease (a row of ``replica_leases``, control_plane/fencing.py) when it
+has expired and renews it every ``ttl / 3`` while it holds it. It acts as leader only until
+``ttl`` after it *started* its last successful renewal (measured on its own monotonic
+clock), which is never later than the database deadline; so a replica that was paused
+(SIGSTOP, a long GC, a frozen VM) knows on waking that it no longer leads, before it does
+anything. What it writes as leader is fenced with its term's token (control_plane/fencing.py).
 """
 
 from __future__ import annotations
@@ -23,44 +16,29 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event, select, text, update
+from sqlalchemy import Connection, Engine, event, select, update
 
 from control_plane.db import Database, service
-from control_plane.errors import DomainError
-from control_plane.models import MAX_REPLICA_ID_LEN, ReplicaLease, table, utcnow
+from control_plane.fencing import LEADER, Term, database_now, leases
+from control_plane.models import MAX_REPLICA_ID_LEN
 
 logger = logging.getLogger(__name__)
 
-LEADER = "leader"
 DEFAULT_TTL_S = 3.0
 # PostgreSQL ends a session left inside a transaction this long (a replica stopped or
 # frozen mid-transaction), so its row locks go with it: another replica's engine claims
 # (an engine moves after 10.5 s of silence) and writes never wait on it for longer. Our
 # transactions never idle this long between statements.
 STOPPED_SESSION_TIMEOUT_S = 5.0
-leases = table(ReplicaLease)
-
-
-class NotLeader(DomainError):
-    status_code = 409
 
 
 def default_replica_id() -> str:
     """This process, as the lease names its holder: host and pid."""
     return f"{socket.gethostname()}-{os.getpid()}"[:MAX_REPLICA_ID_LEN]
-
-
-def database_now(conn: Connection) -> datetime:
-    """The database's clock (PostgreSQL), or this process's (SQLite: one replica)."""
-    if conn.dialect.name == "postgresql":
-        now: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
-        return now
-    return utcnow()
 
 
 @dataclass(frozen=True)
@@ -114,49 +92,6 @@ def release(conn: Connection, *, name: str, holder: str, token: int) -> None:
         .where(leases.c.name == name, leases.c.holder == holder, leases.c.token == token)
         .values(expires_at=database_now(conn))
     )
-
-
-def check_fence(conn: Connection, *, name: str, token: int) -> None:
-    """In a leader's write transaction: refuse it unless ``token`` still holds the lease."""
-    row = conn.execute(
-        select(leases.c.token, leases.c.expires_at)
-        .where(leases.c.name == name)
-        .with_for_update(read=True)
-    ).one()
-    if row.token != token or row.expires_at <= database_now(conn):
-        raise NotLeader(f"lease {name!r} is no longer held with token {token}")
-
-
-def current_token(conn: Connection, *, name: str = LEADER) -> int | None:
-    """The token holding the lease now (None: it has expired), read under a share lock:
-    what a replica delivers for the leader must carry it (control_plane/replicas/relay.py)."""
-    row = conn.execute(
-        select(leases.c.token, leases.c.expires_at)
-        .where(leases.c.name == name)
-        .with_for_update(read=True)
-    ).one()
-    return int(row.token) if row.expires_at > database_now(conn) else None
-
-
-def fleet_work_token(term: Callable[[], Term | None] | None) -> tuple[bool, int | None]:
-    """(may run it now, fencing token) for work that runs once for the fleet (pruning,
-    engine expiry): with no lease (one replica) always, unfenced; else only while this
-    replica leads, fenced with its term's token."""
-    if term is None:
-        return True, None
-    current = term()
-    return current is not None, None if current is None else current.token
-
-
-@dataclass(frozen=True)
-class Term:
-    """A leadership this replica holds: its token, and until when it may act."""
-
-    token: int
-    # time.monotonic() after which this replica must not act on it
-    valid_until: float
-    # time.monotonic() by which the previous holder's lease had ended (-inf: there was none)
-    predecessor_ended_at: float = -math.inf
 
 
 class LeaseKeeper:

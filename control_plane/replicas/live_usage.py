@@ -35,14 +35,14 @@ from sqlalchemy import Connection, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from control_plane.db import Database, service
+from control_plane.deps import UserUsage
+from control_plane.fencing import LEADER, Term, current_token, database_now
 from control_plane.models import FleetSharesRow, LiveUsageRow, ReplicaLease, table
-from control_plane.replicas.lease import LEADER, Term, current_token, database_now
 from control_plane.usage.book import (
     WINDOW_S,
     EngineWindow,
     Interval,
     UsageBook,
-    UserUsage,
     combine,
     rate_1s_of,
 )
@@ -157,7 +157,7 @@ class RemoteRow:
 
 class SharesTable(msgspec.Struct, array_like=True, frozen=True):
     """The leader's shares: user -> engine id -> milli-tokens/s it may be enforcing, and
-    engine id -> the users it holds a share for (fleet/view.py, FleetView)."""
+    engine id -> the users it holds a share for (control_plane/deps.py, FleetView)."""
 
     shares: dict[str, dict[str, int]] = {}
     num_shared: dict[str, int] = {}
@@ -276,7 +276,7 @@ class _Remote:
 
 
 class FleetUsage:
-    """The usage source of a replica (control_plane/usage/book.py, UsageSource): its own
+    """The usage source of a replica (control_plane/deps.py, UsageSource): its own
     book merged with the other replicas' windows."""
 
     def __init__(

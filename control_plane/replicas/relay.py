@@ -35,9 +35,9 @@ import msgspec
 from sqlalchemy import Connection, delete, insert
 
 from control_plane.db import Database, service
+from control_plane.fencing import LEADER, NotLeader, Term, check_fence, current_token
+from control_plane.fencing import database_now as db_now
 from control_plane.models import FleetRelayRow, table
-from control_plane.replicas.lease import LEADER, NotLeader, Term, check_fence, current_token
-from control_plane.replicas.lease import database_now as db_now
 from control_plane.replicas.notify import ChangeAnnouncer, ChangeListener
 
 logger = logging.getLogger(__name__)

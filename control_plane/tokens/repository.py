@@ -6,15 +6,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, insert, select, update
+from sqlalchemy import Connection, Row, insert, select, update
 
 from control_plane.models import ViewerToken, table
 
 viewer_tokens = table(ViewerToken)
-
-_FIND_TOKEN = select(viewer_tokens.c.name).where(
-    viewer_tokens.c.token_hash == bindparam("token_hash"), viewer_tokens.c.revoked_at.is_(None)
-)
 
 
 def insert_viewer_token(conn: Connection, *, name: str, token_hash: str) -> int:
@@ -36,11 +32,6 @@ def revoke_viewer_token(conn: Connection, token_id: int) -> None:
         .where(viewer_tokens.c.id == token_id)
         .values(revoked_at=datetime.now(UTC))
     )
-
-
-def find_viewer_token(conn: Connection, token_hash: str) -> str | None:
-    name: str | None = conn.execute(_FIND_TOKEN, {"token_hash": token_hash}).scalar()
-    return name
 
 
 def list_viewer_tokens(conn: Connection) -> Sequence[Row[Any]]:

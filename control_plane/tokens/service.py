@@ -1,23 +1,20 @@
-"""Viewer tokens: created, listed and revoked by the admin; looked up by `auth`."""
+"""Viewer tokens: created, listed and revoked by the admin; looked up by `auth`, which
+also says how one is stored (`hash_token`)."""
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 
 from sqlalchemy import Connection
 
 from control_plane.audit import service as audit
 from control_plane.audit.targets import token_target
+from control_plane.auth import hash_token
 from control_plane.config import service as config
 from control_plane.db import service
 from control_plane.errors import NotFound
 from control_plane.tokens import repository as repo
 from control_plane.tokens.schemas import TokenCreated, TokenList, TokenOut
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _audit_token(conn: Connection, *, actor: str, action: str, token_id: int, name: str) -> None:
@@ -57,8 +54,3 @@ def revoke_viewer_token(conn: Connection, *, actor: str, token_id: int) -> None:
     if row.revoked_at is None:
         repo.revoke_viewer_token(conn, token_id)
         _audit_token(conn, actor=actor, action="revoke_token", token_id=token_id, name=row.name)
-
-
-@service("read")
-def viewer_token_name(conn: Connection, *, token: str) -> str | None:
-    return repo.find_viewer_token(conn, hash_token(token))

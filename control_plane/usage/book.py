@@ -1,5 +1,5 @@
 """Live usage reported by engines, aggregated for GET /usage and /metrics: the book the
-push server hands every report to, and what readers of live usage see of it.
+push server hands every report to, which readers see as a `UsageSource` (control_plane/deps.py).
 
 Each engine reports, about once a second, the output tokens it granted, the
 request-steps it refused and the request-steps a shadow limit would have refused (it
@@ -31,8 +31,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from control_plane.deps import UserUsage
 from output_rate_core import protocol as p
 
 logger = logging.getLogger("control_plane")
@@ -62,33 +62,6 @@ REFUSED_STEPS = "steps"  # the same for refused (or would-refuse) request-steps
 REFUSED_USERS = "users"  # its parts together name over MAX_USAGE_USERS users in a map
 REFUSED_PARTS = "parts"  # a part out of order, or an interval whose parts did not all come
 REFUSAL_REASONS = (REFUSED_REPORTS, REFUSED_TOKENS, REFUSED_STEPS, REFUSED_USERS, REFUSED_PARTS)
-
-
-@dataclass(frozen=True)
-class UserUsage:
-    user: str
-    tokens_per_s_1s: float
-    tokens_per_s_10s: float
-    throttled_fraction: float
-    # Of the same request-steps, those a shadow limit would have refused (it served them).
-    would_throttle_fraction: float = 0.0
-
-
-class UsageSource(Protocol):
-    """What GET /usage and /metrics read of live usage."""
-
-    def totals(self) -> list[UserUsage]:
-        """Per user, over the window: tokens/s and the throttled fraction."""
-        ...
-
-    def report_ages(self) -> dict[str, float]:
-        """Seconds since each engine's last usage report."""
-        ...
-
-    def rate_1s(self, user: str) -> float | None:
-        """One user's tokens/s over the short window, as `totals` has it (None: no report
-        in the window names the user); without computing everyone's."""
-        ...
 
 
 class NoUsage:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from control_plane.config.follower import LogFollower, StoredLog
 from control_plane.db import Database
-from control_plane.replicas.lease import NotLeader, Term, fleet_work_token
+from control_plane.fencing import NotLeader, Term, fleet_work_token
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
@@ -179,7 +179,7 @@ class UsageRecorder:
         Any thread (the history thread calls it; tests call it after a change)."""
         with self._refresh_lock:
             catchup = self._limits.read(self._log)
-            if catchup is None:
+            if catchup.up_to_date:
                 return
             first = self._limits.version is None
             now = self._clock()

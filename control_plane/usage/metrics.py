@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from control_plane.deps import UsageSource
 from control_plane.usage import book as usage_book
 from control_plane.usage import history as usage_history
-from control_plane.usage.book import UsageBook, UsageSource
+from control_plane.usage.book import UsageBook
 from control_plane.usage.history import UsageRecorder
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import Connection
 
 from control_plane.config import service as config
 from control_plane.db import service
+from control_plane.deps import UsageSource, UserUsage
 from control_plane.errors import InvalidInput
-from control_plane.replicas.lease import LEADER, check_fence
+from control_plane.fencing import LEADER, check_fence
 from control_plane.usage import repository as repo
-from control_plane.usage.book import UsageSource, UserUsage, would_throttle_fraction
+from control_plane.usage.book import would_throttle_fraction
 from control_plane.usage.schemas import (
     FleetHistory,
     HistorySeries,
@@ -118,102 +120,141 @@ def usage_history(
     seconds under a limit. Without `user`, the `top` users by throttled steps
     ("throttled") or tokens ("tokens"). `fleet`: every user's tokens per bucket over the
     seconds covered (one grouped query, a row per minute)."""
-    if since is not None and since.tzinfo is None:
-        since = since.replace(tzinfo=UTC)
-    since_s = now - DEFAULT_HISTORY_S if since is None else since.timestamp()
-    if step % MINUTE_S:
-        raise InvalidInput("step: must be a whole number of minutes (60, 120, ...)", field="step")
-    start = int(since_s) // step * step
-    end = int(now) // MINUTE_S * MINUTE_S + MINUTE_S  # through the current minute
-    if start >= end:
-        raise InvalidInput("since: must be in the past", field="since")
-    num_points = -(-(end - start) // step)
-    if num_points > MAX_HISTORY_POINTS:
-        raise InvalidInput(
-            f"step: {num_points} points from since to now; at most {MAX_HISTORY_POINTS} "
-            "(choose a larger step or a later since)",
-            field="step",
-        )
+    window = _Window.of(now=now, since=since, step=step)
     users = (
         [user]
         if user is not None
-        else repo.top_usage_users(conn, since=start, until=end, order=order, limit=top)
-    )
-    rows = repo.usage_rows(conn, users=users, since=start, until=end) if users else []
-    times = [start + i * step for i in range(num_points)]
-    # user -> bucket -> [tokens, throttled, would-throttle, seconds covered, seconds
-    # limited, limit x seconds, tokens under a limit]
-    buckets: dict[str, dict[int, list[float]]] = {u: {} for u in users}
-    for row in rows:
-        bucket = buckets[row.user].setdefault((row.minute - start) // step, [0] * 7)
-        for index, value in enumerate(
-            (
-                row.tokens,
-                row.throttled,
-                row.would_throttle,
-                row.reported_seconds,
-                row.limited_seconds,
-                row.limit_weight,
-                row.limited_tokens,
-            )
-        ):
-            bucket[index] += value
-    items = []
-    for name in users:
-        rates: list[float | None] = [None] * num_points
-        throttled: list[float | None] = [None] * num_points
-        would_fractions: list[float | None] = [None] * num_points
-        limits_in_force: list[float | None] = [None] * num_points
-        shares: list[float | None] = [None] * num_points
-        limited_fractions: list[float | None] = [None] * num_points
-        total_tokens = total_throttled = total_would = 0
-        for index, bucket in buckets[name].items():
-            tokens, steps, would = int(bucket[0]), int(bucket[1]), int(bucket[2])
-            seconds, limited, weight, limited_tokens = bucket[3:]
-            # Tokens over the seconds the reports covered: the current minute is as
-            # long as what has been written of it, not a dip.
-            rates[index] = round(tokens / max(seconds, MIN_COVERED_S), 3)
-            throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
-            would_fractions[index] = round(would_throttle_fraction(tokens, steps, would), 4)
-            limited_fractions[index] = round(min(1.0, limited / seconds), 4) if seconds else 0.0
-            if limited > 0 and weight > 0:
-                limits_in_force[index] = round(weight / limited, 3)
-                shares[index] = round(limited_tokens / weight, 4)
-            total_tokens += tokens
-            total_throttled += steps
-            total_would += would
-        items.append(
-            HistorySeries(
-                user=name,
-                output_tokens_per_second=rates,
-                throttled_fraction=throttled,
-                would_throttle_fraction=would_fractions,
-                limit=limits_in_force,
-                share_of_limit=shares,
-                limited_fraction=limited_fractions,
-                tokens=total_tokens,
-                throttled=total_throttled,
-                would_throttle=total_would,
-            )
+        else repo.top_usage_users(
+            conn, since=window.start, until=window.end, order=order, limit=top
         )
-    fleet_tokens = [0] * num_points
-    fleet_seconds = [0.0] * num_points
-    for minute, tokens, seconds in repo.fleet_minutes(conn, since=start, until=end):
-        fleet_tokens[(minute - start) // step] += tokens
-        fleet_seconds[(minute - start) // step] += seconds
-    fleet = FleetHistory(
-        output_tokens_per_second=[
-            round(tokens / max(seconds, MIN_COVERED_S), 3) if seconds else None
-            for tokens, seconds in zip(fleet_tokens, fleet_seconds, strict=True)
-        ],
-        tokens=sum(fleet_tokens),
     )
+    buckets = _user_buckets(conn, users, window)
     return UsageHistoryOut(
-        since=start,
-        until=end,
+        since=window.start,
+        until=window.end,
         step=step,
         retention_days=retention_days,
-        times=times,
-        items=items,
-        fleet=fleet,
+        times=[window.start + i * step for i in range(window.num_points)],
+        items=[_series(name, buckets[name], window.num_points) for name in users],
+        fleet=_fleet_history(conn, window),
+    )
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The buckets of a history: `num_points` of `step` seconds from `start` to `end`
+    (through the current minute)."""
+
+    start: int
+    end: int
+    step: int
+    num_points: int
+
+    @classmethod
+    def of(cls, *, now: float, since: datetime | None, step: int) -> _Window:
+        if since is not None and since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)
+        since_s = now - DEFAULT_HISTORY_S if since is None else since.timestamp()
+        if step % MINUTE_S:
+            raise InvalidInput(
+                "step: must be a whole number of minutes (60, 120, ...)", field="step"
+            )
+        start = int(since_s) // step * step
+        end = int(now) // MINUTE_S * MINUTE_S + MINUTE_S
+        if start >= end:
+            raise InvalidInput("since: must be in the past", field="since")
+        num_points = -(-(end - start) // step)
+        if num_points > MAX_HISTORY_POINTS:
+            raise InvalidInput(
+                f"step: {num_points} points from since to now; at most {MAX_HISTORY_POINTS} "
+                "(choose a larger step or a later since)",
+                field="step",
+            )
+        return cls(start, end, step, num_points)
+
+    def index(self, minute: int) -> int:
+        """The bucket a minute (its start, Unix s) falls in."""
+        return (minute - self.start) // self.step
+
+
+@dataclass
+class _Bucket:
+    """One user's minutes in one bucket, summed (the columns control_plane/usage/history.py
+    writes)."""
+
+    tokens: int = 0
+    throttled: int = 0
+    would_throttle: int = 0
+    reported_seconds: float = 0
+    limited_seconds: float = 0
+    limit_weight: float = 0
+    limited_tokens: float = 0
+
+    def add(self, row: repo.UsageRow) -> None:
+        self.tokens += row.tokens
+        self.throttled += row.throttled
+        self.would_throttle += row.would_throttle
+        self.reported_seconds += row.reported_seconds
+        self.limited_seconds += row.limited_seconds
+        self.limit_weight += row.limit_weight
+        self.limited_tokens += row.limited_tokens
+
+
+def _user_buckets(
+    conn: Connection, users: list[str], window: _Window
+) -> dict[str, dict[int, _Bucket]]:
+    """user -> bucket index -> its minutes summed (a bucket nothing was reported in is absent)."""
+    buckets: dict[str, dict[int, _Bucket]] = {u: {} for u in users}
+    if users:
+        for row in repo.usage_rows(conn, users=users, since=window.start, until=window.end):
+            buckets[row.user].setdefault(window.index(row.minute), _Bucket()).add(row)
+    return buckets
+
+
+def _series(user: str, buckets: dict[int, _Bucket], num_points: int) -> HistorySeries:
+    rates: list[float | None] = [None] * num_points
+    throttled: list[float | None] = [None] * num_points
+    would_fractions: list[float | None] = [None] * num_points
+    limits_in_force: list[float | None] = [None] * num_points
+    shares: list[float | None] = [None] * num_points
+    limited_fractions: list[float | None] = [None] * num_points
+    for index, b in buckets.items():
+        tokens, steps, seconds = b.tokens, b.throttled, b.reported_seconds
+        # Tokens over the seconds the reports covered: the current minute is as long as
+        # what has been written of it, not a dip.
+        rates[index] = round(tokens / max(seconds, MIN_COVERED_S), 3)
+        throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
+        would = would_throttle_fraction(tokens, steps, b.would_throttle)
+        would_fractions[index] = round(would, 4)
+        limited = b.limited_seconds
+        limited_fractions[index] = round(min(1.0, limited / seconds), 4) if seconds else 0.0
+        if limited > 0 and b.limit_weight > 0:
+            limits_in_force[index] = round(b.limit_weight / limited, 3)
+            shares[index] = round(b.limited_tokens / b.limit_weight, 4)
+    return HistorySeries(
+        user=user,
+        output_tokens_per_second=rates,
+        throttled_fraction=throttled,
+        would_throttle_fraction=would_fractions,
+        limit=limits_in_force,
+        share_of_limit=shares,
+        limited_fraction=limited_fractions,
+        tokens=sum(b.tokens for b in buckets.values()),
+        throttled=sum(b.throttled for b in buckets.values()),
+        would_throttle=sum(b.would_throttle for b in buckets.values()),
+    )
+
+
+def _fleet_history(conn: Connection, window: _Window) -> FleetHistory:
+    tokens_in = [0] * window.num_points
+    seconds_in = [0.0] * window.num_points
+    for minute, tokens, seconds in repo.fleet_minutes(conn, since=window.start, until=window.end):
+        tokens_in[window.index(minute)] += tokens
+        seconds_in[window.index(minute)] += seconds
+    return FleetHistory(
+        output_tokens_per_second=[
+            round(tokens / max(seconds, MIN_COVERED_S), 3) if seconds else None
+            for tokens, seconds in zip(tokens_in, seconds_in, strict=True)
+        ],
+        tokens=sum(tokens_in),
     )

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.control_plane.factories import fresh_database, make_client
+from harness.control_plane import fresh_database
+from tests.control_plane.factories import make_client
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

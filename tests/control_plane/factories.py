@@ -1,23 +1,18 @@
-"""Fresh, migrated databases (SQLite file or PostgreSQL schema) and apps on them."""
+"""Apps on fresh databases (harness/control_plane.py), settings, a fake clock, and a
+writer's lock held from outside."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy import Connection, create_engine, text
 
 from control_plane.app import create_app
-from control_plane.cli import upgrade
-from control_plane.fleet.view import FleetView
+from control_plane.deps import FleetView, UsageSource
 from control_plane.settings import Settings
-from control_plane.usage.book import UsageSource
-
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-ADMIN_TOKEN = "admin-secret-token"
+from harness.control_plane import ADMIN_TOKEN
 
 
 class FakeClock:
@@ -28,28 +23,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@contextmanager
-def fresh_database(kind: str, tmp_path: Path) -> Iterator[str]:
-    """A migrated, empty database URL; PostgreSQL gets its own schema per test."""
-    if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / f'cp-{uuid.uuid4().hex[:8]}.db'}"
-        upgrade(url)
-        yield url
-        return
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
-    try:
-        upgrade(url)
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 def make_settings(url: str, **overrides: object) -> Settings:

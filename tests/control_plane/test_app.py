@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from control_plane.app import create_app
 from control_plane.errors import ConfigurationError
 from control_plane.settings import Settings
-from tests.control_plane.factories import ADMIN_TOKEN, make_settings
+from harness.control_plane import ADMIN_TOKEN
+from tests.control_plane.factories import make_settings
 
 
 def test_refuses_to_start_without_an_admin_token(db_url: str) -> None:

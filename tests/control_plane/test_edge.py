@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from control_plane.edge import MAX_BODY_BYTES, MAX_BULK_BODY_BYTES
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
+from harness.control_plane import Served, fresh_database, serve
 
 HUGE = 52 * 1024 * 1024
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.app import create_app
-from tests.control_plane.factories import ADMIN_TOKEN, make_settings
+from harness.control_plane import ADMIN_TOKEN
+from tests.control_plane.factories import make_settings
 
 EXAMPLES = 250
 HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -26,8 +26,7 @@ from control_plane.http_server import (
     http_limits,
 )
 from control_plane.settings import Settings
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database
-from tests.control_plane.served import Served, serve
+from harness.control_plane import ADMIN_TOKEN, Served, fresh_database, serve
 
 HEADER_S = 2.0
 IDLE_S = 2.0

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from control_plane.cli import alembic_config, downgrade, upgrade
 from control_plane.models import Base
-from tests.control_plane.served import ROOT
+from harness.servers import ROOT
 
 
 def _tables(url: str) -> set[str]:

@@ -33,9 +33,10 @@ from control_plane.db import Database
 from control_plane.engines import repository as engines_repo
 from control_plane.usage.book import UsageBook
 from control_plane.usage.repository import UsageRow, add_usage
+from harness.control_plane import ADMIN_TOKEN
 from output_rate_core import protocol as p
 from output_rate_core.keys import KEY_ID_LEN
-from tests.control_plane.factories import ADMIN_TOKEN, FakeClock, make_settings
+from tests.control_plane.factories import FakeClock, make_settings
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 REGENERATE = "OUTPUT_RATE_REGENERATE_GOLDEN"

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 
+from harness.control_plane import kill_hard, serve
+from harness.servers import free_port
 from tests.control_plane.factories import writers_lock_held
-from tests.control_plane.served import free_port, kill_hard, serve
 
 WRITERS = 50
 

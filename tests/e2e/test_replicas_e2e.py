@@ -34,10 +34,10 @@ import zmq
 
 from engine_ext.push_client import RECONNECT_AFTER_S
 from harness.client import StreamResult, stream_completion
+from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, VllmServer, free_port
 from output_rate_core import protocol as p
 from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV
-from tests.control_plane.factories import fresh_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 AUTH = ControlPlane.auth_headers()

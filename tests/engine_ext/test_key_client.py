@@ -20,7 +20,7 @@ from control_plane.push.server import PushServer
 from engine_ext.key_client import KeyClient
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
-from tests.control_plane.factories import fresh_database
+from harness.control_plane import fresh_database
 
 WAIT_S = 20.0
 

@@ -26,8 +26,8 @@ from control_plane.db import Database, make_engine
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.control_plane.factories import fresh_database
 
 pytestmark = pytest.mark.postgres
 

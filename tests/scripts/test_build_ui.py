@@ -18,7 +18,8 @@ def _web_copy(tmp_path: Path, *, node_modules: bool = True) -> Path:
     web.mkdir()
     for name in build_ui.FIRST_PARTY:
         shutil.copyfile(WEB / name, web / name)
-    shutil.copytree(WEB / build_ui.MODULES_DIR, web / build_ui.MODULES_DIR)
+    for folder in (build_ui.MODULES_DIR, build_ui.STYLES_DIR):
+        shutil.copytree(WEB / folder, web / folder)
     if node_modules:
         (web / "node_modules").symlink_to((WEB / "node_modules").resolve())
     return web
@@ -33,8 +34,15 @@ def test_builds_the_pages_files_and_nothing_else(tmp_path: Path) -> None:
     served = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert served == {p.relative_to(out).as_posix() for p in files}
     modules = {p.relative_to(WEB).as_posix() for p in (WEB / "src").rglob("*.js")}
-    assert any(m.startswith("src/views/") for m in modules)
-    assert served == {*build_ui.FIRST_PARTY, *modules, *build_ui.THIRD_PARTY.values()}
+    assert any(m.startswith("src/views/tiers/") for m in modules)
+    styles = {p.relative_to(WEB).as_posix() for p in (WEB / "styles").glob("*.css")}
+    assert len(styles) > 1
+    assert served == {
+        *build_ui.FIRST_PARTY,
+        *styles,
+        *modules,
+        *build_ui.THIRD_PARTY.values(),
+    }
     refs = build_ui.local_refs((out / "index.html").read_text())
     assert refs and all((out / ref).is_file() for ref in refs)
     for src, dest in build_ui.THIRD_PARTY.items():

@@ -22,9 +22,9 @@ from playwright.sync_api import Browser, Page, expect
 
 from control_plane.db import Database, make_engine
 from control_plane.usage.history import UsageRecorder
+from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
 from tests.web.browser import DESKTOP, PHONE, watched_page
 from tests.web.fleet import live_engine, seed
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, Request, expect
 
+from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.control_plane.factories import fresh_database
 from tests.web.browser import DESKTOP, PHONE, watched_page
 from tests.web.fleet import seed, write_history
 

@@ -4,23 +4,11 @@ only fake is the clock."""
 
 from __future__ import annotations
 
+from control_plane.config.follower import Catchup
 from control_plane.fleet.coordinator import SEED_WAIT_S, FleetCoordinator, quiet_until
 from output_rate_core import protocol as p
 
 LEASE_S = 10.0
-
-
-class SnapshotLog:
-    """A config log that holds one snapshot and no changes."""
-
-    def __init__(self, snapshot: p.Snapshot) -> None:
-        self._snapshot = snapshot
-
-    def snapshot(self) -> p.Snapshot:
-        return self._snapshot
-
-    def changes_since(self, version: int) -> list[tuple[int, list[dict[str, object]]]]:
-        return []
 
 
 class Clock:
@@ -38,7 +26,7 @@ def coordinator(clock: Clock, *, stopped_at: float) -> FleetCoordinator:
         lease_s=LEASE_S, clock=clock, quiet_until=quiet_until(stopped_at, LEASE_S)
     )
     snapshot = p.Snapshot(version=1, default_rate=None, tiers={}, users={"u": (None, 40)})
-    fleet.refresh(SnapshotLog(snapshot))
+    fleet.catch_up(Catchup(None, snapshot=snapshot))
     return fleet
 
 

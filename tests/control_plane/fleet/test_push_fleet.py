@@ -123,14 +123,14 @@ def test_share_frames_from_an_engine_or_an_unbound_connection_count_for_nothing(
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(fleet_server.endpoint)
     try:
-        before = fleet_server.num_dropped
+        before = fleet_server.drops.total
         sock.send(p.encode(p.Demand("ghost", True, {"u": 3})))  # no HELLO first
         sock.send(p.encode(p.ShareAck("ghost", 1, 1)))
         sock.send(p.encode(p.Shares(1, 1, 1000, 1, True, {"u": 1})))  # server-only
         deadline = time.monotonic() + WAIT_S
-        while fleet_server.num_dropped < before + 3 and time.monotonic() < deadline:
+        while fleet_server.drops.total < before + 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert fleet_server.num_dropped == before + 3
+        assert fleet_server.drops.total == before + 3
         assert fleet_server.fleet is not None
         assert fleet_server.fleet.shares_of("u") == {}
     finally:

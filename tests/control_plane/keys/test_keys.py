@@ -15,10 +15,10 @@ from control_plane.config import service as config
 from control_plane.db import Database
 from control_plane.keys import repository as key_repo
 from control_plane.keys.bucket import TokenBucket
+from harness.control_plane import ADMIN_TOKEN, fresh_database, serve
 from output_rate_core import keys
 from output_rate_core import protocol as p
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database, make_settings
-from tests.control_plane.served import serve
+from tests.control_plane.factories import make_settings
 
 
 def database(client: TestClient) -> Database:

@@ -29,10 +29,10 @@ from control_plane.keys.last_used import KeyUseRecorder
 from control_plane.limits import service as limits
 from control_plane.push.server import PushServer
 from control_plane.usage.book import UsageBook
+from harness.control_plane import ADMIN_TOKEN, fresh_database, serve
 from output_rate_core import keys as key_format
 from output_rate_core import protocol as p
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database, make_settings
-from tests.control_plane.served import serve
+from tests.control_plane.factories import make_settings
 
 WAIT_S = 20.0
 BUCKET = TokenBucket(per_minute=1_000_000, burst=1_000_000)
@@ -193,7 +193,7 @@ def test_the_api_server_gets_keys_only_and_the_engine_core_limits_only(
     assert core.next(p.Heartbeat).version == 6
 
     # Both bound under one id; only the core is a fleet member.
-    assert sorted(peer.role for peer in server.peers.values()) == ["api", "engine"]
+    assert sorted(peer.role for peer in server.peers.all()) == ["api", "engine"]
     assert server.fleet is not None and server.fleet.num_engines == 1
 
     # Each role's applied version lands in its column of the one row.
@@ -219,12 +219,12 @@ def test_a_second_api_server_for_one_engine_id_is_refused(
     first.next(p.Snapshot)
     core.send(p.Hello("e1", "tiny", 0))
     core.next(p.Snapshot)
-    dropped = server.num_dropped
+    dropped = server.drops.total
     second.send(p.Hello("e1", "", 0, role=p.API_ROLE))
     for _ in range(3):  # the first stays alive, so e1's API server role stays its own
         first.send(p.Heartbeat(1, "e1", "", role=p.API_ROLE))
         assert p.Snapshot not in second.kinds(0.3)
-    assert server.num_dropped == dropped + 1
+    assert server.drops.total == dropped + 1
     # Another engine id's API server binds.
     second_id = peers()
     second_id.send(p.Hello("e2", "", 0, role=p.API_ROLE))
@@ -244,11 +244,11 @@ def test_a_redialled_api_server_binds_by_its_heartbeat_as_api(
     core.send(p.Heartbeat(1, "e1", "tiny"))
     assert core.next(p.Snapshot).keys == {}
     # A bound connection cannot change its role.
-    dropped = server.num_dropped
+    dropped = server.drops.total
     beat.send(p.Heartbeat(1, "e1", ""))
     beat.send(p.Resync("e1", 1))
-    wait_for(lambda: server.num_dropped == dropped + 2, "both refused")
-    assert sorted(peer.role for peer in server.peers.values()) == ["api", "api", "engine"]
+    wait_for(lambda: server.drops.total == dropped + 2, "both refused")
+    assert sorted(peer.role for peer in server.peers.all()) == ["api", "api", "engine"]
 
 
 def test_an_api_server_is_no_fleet_member_and_its_usage_is_dropped(
@@ -258,11 +258,11 @@ def test_an_api_server_is_no_fleet_member_and_its_usage_is_dropped(
     api = peers()
     api.send(p.Hello("e1", "", 0, role=p.API_ROLE))
     api.next(p.Snapshot)
-    dropped = server.num_dropped
+    dropped = server.drops.total
     api.send(p.Usage("e1", 1.0, {"alice": 50}, {}))
     api.send(p.Demand("e1", True, {"alice": 3}))
     api.send(p.ShareAck("e1", 1, 1))
-    wait_for(lambda: server.num_dropped == dropped + 3, "three refused messages")
+    wait_for(lambda: server.drops.total == dropped + 3, "three refused messages")
     assert book.rate_1s("alice") is None
     assert server.fleet is not None and server.fleet.num_engines == 1
     assert not server.fleet.shares_of("alice")
@@ -302,9 +302,9 @@ def test_key_use_sets_last_used_at_and_a_flood_writes_once_a_minute(
         latest = first_use + 1 + i * 0.01
         api.send(p.KeyUse("e1", {key_id: latest, "zzzzzzzzzzzz": latest}))
     # An engine core may not report key use.
-    dropped = server.num_dropped
+    dropped = server.drops.total
     core.send(p.KeyUse("e1", {unused_id: latest}))
-    wait_for(lambda: server.num_dropped == dropped + 1, "the core's report refused")
+    wait_for(lambda: server.drops.total == dropped + 1, "the core's report refused")
     time.sleep(0.5)  # ten flush intervals
     assert touched.count(key_id) == 1
     assert abs(last_used(key_id).timestamp() - first_use) < 0.01  # type: ignore[union-attr]
@@ -411,7 +411,7 @@ def test_the_curve_allow_list_binds_an_api_server_to_its_engine_ids(db: Database
         assert own.next(p.Snapshot).keys
         other.send(p.Hello("e2", "", 0, role=p.API_ROLE))
         assert p.Snapshot not in other.kinds(1.0)
-        assert [peer.engine_id for peer in srv.peers.values()] == ["e1"]
+        assert [peer.engine_id for peer in srv.peers.all()] == ["e1"]
     finally:
         own.close()
         other.close()

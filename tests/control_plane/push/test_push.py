@@ -19,11 +19,15 @@ from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.engines.service import list_engines
 from control_plane.limits import service as limits
+from control_plane.push.drops import DropLog
+from control_plane.push.outbox import Outbox
+from control_plane.push.peers import PeerTable
 from control_plane.push.server import PushServer
+from control_plane.push.status import StatusWriter
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import LimitTable, PushClient
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
 
 WAIT_S = 20.0
 
@@ -128,30 +132,31 @@ def test_snapshot_then_deltas_then_acks(db, server: PushServer) -> None:
         engine.client.close()
 
 
-class FaultyServer(PushServer):
-    """Drops and reorders deltas at the socket seam."""
+class FaultyOutbox(Outbox):
+    """Drops and reorders deltas at the send seam."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self) -> None:
+        super().__init__()
         self.rng = random.Random(3)
         self.held: list[tuple[bytes, bytes]] = []
         self.num_faults = 0
 
-    def _send(self, router: zmq.Socket, identity: bytes, frame: bytes) -> bool:
+    def send(self, identity: bytes, frame: bytes) -> bool:
         if p.peek_type(frame) == p.DELTA and self.rng.random() < 0.3:
             self.num_faults += 1
             if self.rng.random() < 0.5:
                 return True  # dropped on the way
             self.held.append((identity, frame))  # delivered later, out of order
             return True
-        queued = super()._send(router, identity, frame)
+        queued = super().send(identity, frame)
         while self.held and self.rng.random() < 0.5:
-            super()._send(router, *self.held.pop())
+            super().send(*self.held.pop())
         return queued
 
 
 def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
-    server = FaultyServer(endpoint="tcp://127.0.0.1:0", db=db)
+    faults = FaultyOutbox()
+    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db, outbox=faults)
     server.start()
     engine = Engine(server.endpoint, "e1")
     try:
@@ -164,9 +169,9 @@ def test_dropped_and_reordered_deltas_resync_to_the_database(db) -> None:
         for i in range(600):
             write(db, server, limits.put_limit, user=f"u{i % 7}", rate=i + 1, tier=None)
             engine.state()
-            if i >= 60 and server.num_faults > 0:
+            if i >= 60 and faults.num_faults > 0:
                 break
-        assert server.num_faults > 0
+        assert faults.num_faults > 0
         converge([engine], db)
         assert engine.client.num_resyncs > 0
     finally:
@@ -265,13 +270,13 @@ def test_garbage_and_oversized_frames_are_dropped_and_counted(db, server: PushSe
     engine = Engine(server.endpoint, "e1")
     try:
         deadline = time.monotonic() + WAIT_S
-        while server.num_dropped < len(garbage) + 1:
-            assert time.monotonic() < deadline, server.num_dropped
+        while server.drops.total < len(garbage) + 1:
+            assert time.monotonic() < deadline, server.drops.total
             time.sleep(0.02)
         converge([engine], db)
         write(db, server, limits.put_default, rate=9)
         assert converge([engine], db)[1] == 9
-        assert {peer.engine_id for peer in server.peers.values()} == {"e1"}
+        assert {peer.engine_id for peer in server.peers.all()} == {"e1"}
     finally:
         engine.client.close()
         sock.close()
@@ -301,7 +306,7 @@ def test_only_listed_engine_keys_are_admitted(db) -> None:
         assert stranger.state() == (0, None, {})
         assert not stranger.client.has_snapshot
         # The server never heard from it either: no hello, no heartbeat, no usage.
-        assert {peer.engine_id for peer in server.peers.values()} == {"good"}
+        assert {peer.engine_id for peer in server.peers.all()} == {"good"}
     finally:
         for e in (good, stranger):
             e.client.close()
@@ -312,7 +317,8 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from control_plane.app import create_served_app
-    from tests.control_plane.factories import ADMIN_TOKEN, make_settings
+    from harness.control_plane import ADMIN_TOKEN
+    from tests.control_plane.factories import make_settings
 
     with fresh_database("sqlite", tmp_path) as url:
         settings = make_settings(url, zmq_endpoint="tcp://127.0.0.1:0", engine_timeout_s=1.5)
@@ -366,19 +372,17 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
 def test_malformed_frames_are_logged_once_then_summarised(
     db, server: PushServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from control_plane.push.server import DropLog
-
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     try:
-        with caplog.at_level("WARNING", logger="control_plane.push.server"):
+        with caplog.at_level("WARNING", logger="control_plane.push.drops"):
             for _ in range(500):
                 sock.send(b"\xff")
             deadline = time.monotonic() + WAIT_S
-            while server.num_dropped < 500:
-                assert time.monotonic() < deadline, server.num_dropped
+            while server.drops.total < 500:
+                assert time.monotonic() < deadline, server.drops.total
                 time.sleep(0.02)
         lines = [r for r in caplog.records if "dropped" in r.getMessage()]
         assert 1 <= len(lines) <= 2  # the first one, and at most one summary
@@ -386,7 +390,7 @@ def test_malformed_frames_are_logged_once_then_summarised(
         sock.close()
         context.term()
     log = DropLog(interval_s=10.0)
-    with caplog.at_level("WARNING", logger="control_plane.push.server"):
+    with caplog.at_level("WARNING", logger="control_plane.push.drops"):
         caplog.clear()
         for _ in range(1000):
             log.note("malformed", "x")
@@ -402,22 +406,31 @@ def test_malformed_frames_are_logged_once_then_summarised(
     "db", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
 def test_a_row_the_database_refuses_does_not_keep_the_others_stale(db) -> None:
-    from control_plane.push.server import Peer
-
-    server = PushServer(endpoint="tcp://127.0.0.1:0", db=db)  # not started: driven here
-    try:
-        # Such an id can no longer come off the wire; the database is the last line.
-        for identity, engine_id in ((b"good", "good"), (b"bad", "bad\x00id")):
-            server.peers[identity] = Peer(engine_id=engine_id, model="m", proven=True)
-            server._owners[engine_id, p.ENGINE_ROLE] = identity
-            server._dirty.add(identity)
-        server._flush_status(time.monotonic())
-        rows = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
-        assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
-        assert set(server.peers) == {b"good"}
-        assert server.num_dropped == 1
-    finally:
-        server._context.term()
+    drops = DropLog()
+    peers = PeerTable(drops, client_keys=None, engine_timeout_s=5.0)
+    status = StatusWriter(
+        db,
+        peers=peers,
+        drops=drops,
+        wake=lambda: None,
+        replica_id=None,
+        engine_timeout_s=5.0,
+        engine_retention_s=60.0,
+        term=None,
+    )
+    status.start()
+    now = time.monotonic()
+    # Such an id can no longer come off the wire; the database is the last line.
+    for identity, engine_id in ((b"good", "good"), (b"bad", "bad\x00id")):
+        peers.prove(peers.bind(identity, engine_id, p.ENGINE_ROLE, "m", None, now))
+        status.touch(identity)
+    status.flush(now)
+    status.close([])  # after the batch was written
+    status.deliver()
+    rows = db.read_now(list_engines, timeout_s=5).model_dump()["items"]
+    assert [(r["engine_id"], r["connected"]) for r in rows] == [("good", True)]
+    assert [peer.engine_id for peer in peers.all()] == ["good"]
+    assert drops.total == 1
 
 
 def test_an_engine_id_moves_to_a_new_connection_only_once_the_old_one_is_silent(db) -> None:
@@ -439,7 +452,7 @@ def test_an_engine_id_moves_to_a_new_connection_only_once_the_old_one_is_silent(
             time.sleep(0.2)
         holder.close()  # silent now: after engine_timeout_s the real engine gets e1
         converge([engine], db)
-        assert [peer.model for peer in server.peers.values()] == ["tiny"]
+        assert [peer.model for peer in server.peers.all()] == ["tiny"]
     finally:
         engine.client.close()
         context.term()

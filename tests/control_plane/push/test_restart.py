@@ -30,7 +30,7 @@ from control_plane.limits import service as limits
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
-from tests.control_plane.served import free_port
+from harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "push-e2e-admin-token"

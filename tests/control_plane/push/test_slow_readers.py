@@ -12,9 +12,8 @@ import zmq
 
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
 
 NUM_SILENT_PEERS = 10
 NUM_USERS = 30_000  # a snapshot of ~1 MB

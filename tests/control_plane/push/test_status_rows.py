@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.push.server import STATUS_REFRESH_S
-from tests.control_plane.factories import fresh_database
+from control_plane.push.status import STATUS_REFRESH_S
+from harness.control_plane import fresh_database, serve
 from tests.control_plane.push.test_trust import RealEngine, engine_row, wait_for
-from tests.control_plane.served import serve
 
 BUSY_S = 3.0
 ROWS = "output_rate_push_engine_status_rows_written"

@@ -19,9 +19,8 @@ import zmq
 
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
 
 WAIT_S = 30.0
 

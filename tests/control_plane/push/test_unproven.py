@@ -10,12 +10,11 @@ from pathlib import Path
 
 import zmq
 
-from control_plane.push.server import MAX_UNPROVEN_PEERS
+from control_plane.push.peers import MAX_UNPROVEN_PEERS
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
 
 NUM_FLOOD = 300
 

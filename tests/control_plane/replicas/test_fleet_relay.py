@@ -23,9 +23,8 @@ from control_plane.fleet.allocator import split
 from control_plane.replicas import relay
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
 
 LIMIT = 40
 # engine name -> its streams of the one fleet-limited user: 3:1 on one replica, 2:2 on the

@@ -20,9 +20,8 @@ from control_plane.replicas.live_usage import FRESH_S, SHARE_INTERVAL_S
 from engine_ext.key_client import KeyClient
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.control_plane import Served, fresh_database, kill_hard, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, kill_hard, serve
 
 WAIT_S = 30.0
 FLEET_LIMIT = 40

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from control_plane import fencing
 from control_plane.db import Database, make_engine
 from control_plane.replicas import lease
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import Served, serve
+from harness.control_plane import Served, fresh_database, serve
 
 
 @pytest.fixture
@@ -27,11 +27,11 @@ def db(db_url: str) -> Iterator[Database]:
 
 
 def take(db: Database, holder: str, ttl_s: float = 30.0) -> int | None:
-    return db.run_now(lease.take_or_renew, name=lease.LEADER, holder=holder, ttl_s=ttl_s)
+    return db.run_now(lease.take_or_renew, name=fencing.LEADER, holder=holder, ttl_s=ttl_s)
 
 
 def fence(db: Database, token: int) -> None:
-    db.write_now(lease.check_fence, name=lease.LEADER, token=token)
+    db.write_now(fencing.check_fence, name=fencing.LEADER, token=token)
 
 
 def test_one_holder_at_a_time_and_a_new_token_per_holder(db: Database) -> None:
@@ -41,10 +41,10 @@ def test_one_holder_at_a_time_and_a_new_token_per_holder(db: Database) -> None:
     assert take(db, "a") == first  # renewed, same token
     fence(db, first)
     # a gives it up; b takes it with the next token, and a's token is fenced off.
-    db.run_now(lease.release, name=lease.LEADER, holder="a", token=first)
+    db.run_now(lease.release, name=fencing.LEADER, holder="a", token=first)
     second = take(db, "b")
     assert second == first + 1
-    with pytest.raises(lease.NotLeader):
+    with pytest.raises(fencing.NotLeader):
         fence(db, first)
     fence(db, second)
     assert take(db, "a") is None
@@ -54,7 +54,7 @@ def test_an_expired_lease_goes_to_the_next_replica_that_asks(db: Database) -> No
     first = take(db, "a", ttl_s=0.2)
     assert first is not None
     time.sleep(0.3)
-    with pytest.raises(lease.NotLeader):
+    with pytest.raises(fencing.NotLeader):
         fence(db, first)  # expired, even before anyone else took it
     assert take(db, "b") == first + 1
 
@@ -126,20 +126,20 @@ def test_fleet_wide_cleanup_runs_only_under_the_current_token(db: Database) -> N
 
     old = take(db, "a")
     assert old is not None
-    db.run_now(lease.release, name=lease.LEADER, holder="a", token=old)
+    db.run_now(lease.release, name=fencing.LEADER, holder="a", token=old)
     new = take(db, "b")
     assert new is not None
     for work in (
         lambda token: db.run_now(engines.forget_engines, retention_s=60, fence=token),
         lambda token: db.run_now(usage.prune_usage, now=time.time(), retention_days=7, fence=token),
     ):
-        with pytest.raises(lease.NotLeader):
+        with pytest.raises(fencing.NotLeader):
             work(old)  # a former leader, woken late
         work(new)
-    assert lease.fleet_work_token(None) == (True, None)  # one replica: always, unfenced
-    assert lease.fleet_work_token(lambda: None) == (False, None)  # a follower: never
-    term = lease.Term(new, time.monotonic() + 3)
-    assert lease.fleet_work_token(lambda: term) == (True, new)
+    assert fencing.fleet_work_token(None) == (True, None)  # one replica: always, unfenced
+    assert fencing.fleet_work_token(lambda: None) == (False, None)  # a follower: never
+    term = fencing.Term(new, time.monotonic() + 3)
+    assert fencing.fleet_work_token(lambda: term) == (True, new)
 
 
 def test_a_follower_keeps_the_history_a_leader_prunes(db: Database) -> None:
@@ -159,6 +159,6 @@ def test_a_follower_keeps_the_history_a_leader_prunes(db: Database) -> None:
     token = take(db, "leader-here")
     assert token is not None
     UsageRecorder(
-        db, retention_days=7, term=lambda: lease.Term(token, time.monotonic() + 3)
+        db, retention_days=7, term=lambda: fencing.Term(token, time.monotonic() + 3)
     ).flush()
     assert rows() == 0

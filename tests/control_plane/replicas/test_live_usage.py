@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, func, inspect, select, text
 
+from control_plane import fencing
 from control_plane.cli import downgrade, upgrade
 from control_plane.db import Database, make_engine
 from control_plane.models import LiveUsageRow, table
 from control_plane.replicas import lease
 from control_plane.replicas.live_usage import FleetUsage
 from control_plane.usage.book import UsageBook
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import FakeClock, fresh_database
+from tests.control_plane.factories import FakeClock
 
 
 @pytest.fixture
@@ -150,9 +152,9 @@ class Allocator:
 
 def test_followers_show_the_shares_of_the_leader_holding_the_lease(dbs: list[Database]) -> None:
     clock = FakeClock()
-    first = dbs[0].run_now(lease.take_or_renew, name=lease.LEADER, holder="r-a", ttl_s=30.0)
+    first = dbs[0].run_now(lease.take_or_renew, name=fencing.LEADER, holder="r-a", ttl_s=30.0)
     assert first is not None
-    terms: dict[str, lease.Term | None] = {"r-a": lease.Term(first, float("inf")), "r-b": None}
+    terms: dict[str, fencing.Term | None] = {"r-a": fencing.Term(first, float("inf")), "r-b": None}
     allocators = {
         "r-a": Allocator({"u": {"e1": 15_000, "e2": 5_000}}, {"e1": 1, "e2": 1}),
         "r-b": Allocator({"u": {"e1": 40_000}}, {"e1": 1}),
@@ -178,9 +180,9 @@ def test_followers_show_the_shares_of_the_leader_holding_the_lease(dbs: list[Dat
     # fenced: it writes nothing, and nobody shows its shares once b's are written.
     with dbs[0].engine.begin() as conn:
         conn.execute(text("UPDATE replica_leases SET expires_at = now() - interval '1 second'"))
-    second = dbs[1].run_now(lease.take_or_renew, name=lease.LEADER, holder="r-b", ttl_s=30.0)
+    second = dbs[1].run_now(lease.take_or_renew, name=fencing.LEADER, holder="r-b", ttl_s=30.0)
     assert second == first + 1
-    terms["r-b"] = lease.Term(second, float("inf"))
+    terms["r-b"] = fencing.Term(second, float("inf"))
     a.share_once()
     assert a.shares().shares_of("u") == {}  # no row of the token holding the lease yet
     b.share_once()

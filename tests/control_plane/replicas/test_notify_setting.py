@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from control_plane.app import create_served_app
-from tests.control_plane.factories import fresh_database, make_settings
+from harness.control_plane import fresh_database
+from tests.control_plane.factories import make_settings
 
 
 @pytest.mark.parametrize(("raw", "parsed"), [("true", True), ("FALSE", False), (" false ", False)])

@@ -13,13 +13,14 @@ import msgspec
 import pytest
 from sqlalchemy import func, select
 
+from control_plane import fencing
 from control_plane.db import Database, make_engine
 from control_plane.engines import service as engines
 from control_plane.models import FleetRelayRow, table
 from control_plane.replicas import lease
 from control_plane.replicas import relay as r
+from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
 
 TIMEOUT_S = 5.0
 
@@ -40,7 +41,7 @@ def pg(tmp_path: Path) -> Iterator[Database]:
 
 
 def take_lease(db: Database, holder: str, ttl_s: float = 30.0) -> int:
-    token = db.run_now(lease.take_or_renew, name=lease.LEADER, holder=holder, ttl_s=ttl_s)
+    token = db.run_now(lease.take_or_renew, name=fencing.LEADER, holder=holder, ttl_s=ttl_s)
     assert token is not None
     return token
 
@@ -62,9 +63,9 @@ def test_share_batches_are_fenced_and_delivered_only_under_the_current_token(pg:
     first = take_lease(pg, "a")
     pg.run_now(r.write_rows, rows=[row(r.DOWN, "home", first, ("e1", b"one"))], token=first)
     # a gives the lease up; b leads with the next token.
-    pg.run_now(lease.release, name=lease.LEADER, holder="a", token=first)
+    pg.run_now(lease.release, name=fencing.LEADER, holder="a", token=first)
     second = take_lease(pg, "b")
-    with pytest.raises(lease.NotLeader):  # the former leader writes nothing more
+    with pytest.raises(fencing.NotLeader):  # the former leader writes nothing more
         pg.run_now(r.write_rows, rows=[row(r.DOWN, "home", first, ("e1", b"two"))], token=first)
     pg.run_now(r.write_rows, rows=[row(r.DOWN, "home", second, ("e1", b"three"))], token=second)
     ups, downs, num_stale = pg.run_now(r.take_rows, replica="home", leader_token=None)
@@ -197,12 +198,12 @@ def test_a_replica_starting_marks_only_its_own_engines_disconnected(db: Database
 
 
 def test_a_taken_over_lease_says_when_its_predecessor_ended(db: Database) -> None:
-    first = db.run_now(lease.take_or_renew_lease, name=lease.LEADER, holder="a", ttl_s=0.1)
+    first = db.run_now(lease.take_or_renew_lease, name=fencing.LEADER, holder="a", ttl_s=0.1)
     assert first is not None and first.predecessor_ended_s_ago is None  # nobody before
-    renewed = db.run_now(lease.take_or_renew_lease, name=lease.LEADER, holder="a", ttl_s=0.1)
+    renewed = db.run_now(lease.take_or_renew_lease, name=fencing.LEADER, holder="a", ttl_s=0.1)
     assert renewed == lease.Taken(first.token, None)
     time.sleep(0.3)
-    taken = db.run_now(lease.take_or_renew_lease, name=lease.LEADER, holder="b", ttl_s=5.0)
+    taken = db.run_now(lease.take_or_renew_lease, name=fencing.LEADER, holder="b", ttl_s=5.0)
     assert taken is not None and taken.token == first.token + 1
     assert taken.predecessor_ended_s_ago is not None
     assert 0.15 < taken.predecessor_ended_s_ago < 5.0

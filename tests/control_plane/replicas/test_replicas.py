@@ -22,9 +22,9 @@ import pytest
 
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from harness.applying_engine import ApplyingEngine
+from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import fresh_database
-from tests.control_plane.served import ApplyingEngine, Served, serve
 
 POLL_INTERVAL_S = "30"
 NUM_WRITERS = 8

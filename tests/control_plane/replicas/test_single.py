@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
 
 from control_plane.app import create_app
 from control_plane.db import Database, make_engine
+from harness.control_plane import ADMIN_TOKEN, empty_database, fresh_database, serve
 from harness.servers import free_port
-from tests.control_plane.factories import ADMIN_TOKEN, fresh_database, make_settings
-from tests.control_plane.served import serve
+from tests.control_plane.factories import make_settings
 
 
 def test_a_second_serve_on_one_sqlite_file_is_refused_clearly(tmp_path: Path) -> None:
@@ -58,18 +59,7 @@ def test_readiness_is_503_when_the_database_is_unreachable() -> None:
 
 def test_replicas_starting_at_once_migrate_one_after_the_other(tmp_path: Path) -> None:
     """Three `output-rate db upgrade` at once on an empty schema: all succeed, head once."""
-    import uuid
-
-    from sqlalchemy import create_engine, text
-
-    from tests.control_plane.factories import PG_URL
-
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
-    try:
+    with empty_database("postgres", tmp_path) as url:
         env = {**os.environ, "OUTPUT_RATE_DATABASE_URL": url}
         upgrades = [
             subprocess.Popen(
@@ -83,10 +73,8 @@ def test_replicas_starting_at_once_migrate_one_after_the_other(tmp_path: Path) -
         ]
         outputs = [u.communicate(timeout=120)[0] for u in upgrades]
         assert [u.returncode for u in upgrades] == [0, 0, 0], outputs
-        with admin.connect() as conn:
-            versions = conn.execute(text(f'SELECT version_num FROM "{schema}".alembic_version'))
-            assert len(versions.all()) == 1
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            versions = conn.execute(text("SELECT version_num FROM alembic_version")).all()
+        engine.dispose()
+        assert len(versions) == 1

@@ -16,7 +16,7 @@ from control_plane.replicas.lease import (
     STOPPED_SESSION_TIMEOUT_S,
     release_locks_of_stopped_replicas,
 )
-from tests.control_plane.factories import fresh_database
+from harness.control_plane import fresh_database
 
 
 def test_a_stopped_replicas_row_lock_is_released_after_the_timeout(tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ from control_plane.usage.history import (
     MAX_NEW_USERS_PER_ENGINE_PER_MINUTE,
     UsageRecorder,
 )
+from harness.control_plane import fresh_database, serve
 from output_rate_core import protocol as p
-from tests.control_plane.factories import FakeClock, fresh_database
-from tests.control_plane.served import serve
+from tests.control_plane.factories import FakeClock
 
 T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
 

@@ -1,15 +1,14 @@
-// Audit log: who changed what, before and after; filter by target and its kind (deep link
-// ?target=&target_kind=), page back to the first entry (?before_id=); a bulk change opens
-// the users it changed, a page at a time.
+// Audit log: who changed what, before and after (audit/audit-table.js); filter by target
+// and its kind (deep link ?target=&target_kind=), page back to the first entry
+// (?before_id=); a bulk change opens the users it changed, a page at a time.
 
 import { api } from "../api.js";
-import { fmtRateUnit, fmtTime, h, section, table } from "../dom.js";
-import { clearErrors, fieldError, toast } from "../feedback.js";
-import { link, replaceParams } from "../router.js";
+import { h, section } from "../dom.js";
+import { clearErrors, fieldError } from "../feedback.js";
+import { replaceParams } from "../router.js";
+import { auditTable } from "./audit/audit-table.js";
 
 const PAGE = 100;
-const DETAIL_PAGE = 100;
-const HEADERS = ["When", "Who", "What", "Target", "Before", "After"];
 
 // target_kind (GET /audit) -> how the filter offers it ("": a user with its bulk changes)
 const KINDS = {
@@ -21,165 +20,12 @@ const KINDS = {
   token: "Viewer token (its id)",
 };
 
-// A record as words:
-// {"tier": "pro", "output_tokens_per_second": 7} -> "tier pro, override 7 tok/s".
-export function describe(action, value) {
-  if (value === null || value === undefined) return "–";
-  if (typeof value !== "object") return String(value);
-  const parts = [];
-  if ("tier" in value) parts.push(value.tier === null ? "no tier" : `tier ${value.tier}`);
-  if ("output_tokens_per_second" in value) {
-    const rate = value.output_tokens_per_second;
-    if (/limit/.test(action))
-      parts.push(rate === null ? "no override" : `override ${fmtRateUnit(rate)}`);
-    else parts.push(`rate ${fmtRateUnit(rate)}`);
-  }
-  // Only an own enforcement is named (null inherits), so records of before shadow read as before.
-  if (value.enforcement) parts.push(`enforcement ${value.enforcement}`);
-  if ("description" in value)
-    parts.push(value.description ? `description “${value.description}”` : "no description");
-  if ("name" in value) parts.push(`name ${value.name}`);
-  if ("prefix" in value) parts.push(`API key ${value.prefix}`);
-  if ("revoked" in value) parts.push(value.revoked ? "revoked" : "active");
-  return parts.join(", ");
-}
-
-const detailId = (entry) => `audit-detail-${entry.id}`;
-
-// The users a bulk entry changed, read a page at a time from GET /audit/{id}/changes.
-function bulkDetail(entry) {
-  const rows = h("tbody");
-  const more = h("button", { type: "button", class: "secondary", hidden: true }, "More users");
-  let after = null;
-  async function load() {
-    const params = new URLSearchParams({ limit: String(DETAIL_PAGE) });
-    if (after !== null) params.set("after", after);
-    const page = await api("GET", `/audit/${entry.id}/changes?${params}`);
-    rows.append(
-      ...page.items.map((c) =>
-        h(
-          "tr",
-          { dataset: { user: c.target } },
-          h(
-            "td",
-            { dataset: { label: "User" } },
-            h("a", { href: link("users", c.target) }, c.target),
-          ),
-          h("td", { dataset: { label: "Before" } }, describe(entry.action, c.before)),
-          h("td", { dataset: { label: "After" } }, describe(entry.action, c.after)),
-        ),
-      ),
-    );
-    after = page.next_after;
-    more.hidden = after === null;
-  }
-  more.addEventListener("click", () => load().catch((error) => toast(error.message, "error")));
-  const el = h(
-    "tr",
-    { class: "audit-detail", id: detailId(entry) },
-    h(
-      "td",
-      { colspan: HEADERS.length },
-      h(
-        "table",
-        { class: "compact" },
-        h("caption", { class: "visually-hidden" }, `the users of bulk change ${entry.id}`),
-        h(
-          "thead",
-          {},
-          h(
-            "tr",
-            {},
-            ["User", "Before", "After"].map((t) => h("th", { scope: "col" }, t)),
-          ),
-        ),
-        rows,
-      ),
-      more,
-    ),
-  );
-  return { el, load };
-}
-
-function targetCell(entry, open) {
-  const { target_kind: kind, target } = entry;
-  if (kind === "user") return h("a", { href: link("users", target) }, target);
-  if (kind === "tier") return h("a", { href: link("tiers") }, `tier ${target}`);
-  if (kind === "token") return `viewer token ${target}`;
-  if (kind !== "bulk") return target;
-  const button = h(
-    "button",
-    {
-      type: "button",
-      class: "secondary",
-      "aria-expanded": String(open.has(entry.id)),
-      "aria-controls": detailId(entry),
-    },
-    `${target} ▾`,
-  );
-  button.addEventListener("click", async () => {
-    const row = button.closest("tr");
-    if (open.has(entry.id)) {
-      open.get(entry.id).el.remove();
-      open.delete(entry.id);
-      button.setAttribute("aria-expanded", "false");
-      return;
-    }
-    const detail = bulkDetail(entry);
-    open.set(entry.id, detail);
-    row.after(detail.el);
-    button.setAttribute("aria-expanded", "true");
-    try {
-      await detail.load();
-    } catch (error) {
-      toast(error.message, "error");
-    }
-  });
-  return button;
-}
-
-// A bulk entry's before/after: what it did to the user the list is filtered by, if any.
-function sides(entry) {
-  if (entry.target_kind !== "bulk")
-    return [describe(entry.action, entry.before), describe(entry.action, entry.after)];
-  if (entry.change)
-    return [
-      describe(entry.action, entry.change.before),
-      describe(entry.action, entry.change.after),
-    ];
-  const perUser = () => h("span", { class: "hint" }, "per user (open the target)");
-  return [perUser(), perUser()];
-}
-
-// `open`: bulk entry id -> its opened detail, kept by the caller so that a refresh keeps
-// what the operator opened (and what it loaded).
-export function auditTable(items, caption = "audit log", open = new Map()) {
-  const rows = [];
-  for (const e of items) {
-    const [before, after] = sides(e);
-    rows.push(
-      h(
-        "tr",
-        { dataset: { id: e.id, kind: e.target_kind } },
-        h("td", {}, fmtTime(e.at)),
-        h("td", {}, e.actor),
-        h("td", {}, e.action.replace(/_/g, " ")),
-        h("td", {}, targetCell(e, open)),
-        h("td", {}, before),
-        h("td", {}, after),
-      ),
-    );
-    if (open.has(e.id)) rows.push(open.get(e.id).el);
-  }
-  return table(caption, HEADERS, rows, { id: "audit" }, { stack: true });
-}
-
-export async function render(main, route) {
-  const p = route.params;
+// The filter form, from the address's `params`; onSubmit() when the operator filters.
+function filterForm(params, onSubmit) {
   const target = h("input", {
     id: "audit-target",
     type: "search",
-    value: p.get("target") || "",
+    value: params.get("target") || "",
     autocomplete: "off",
     "data-field": "target",
   });
@@ -188,35 +34,47 @@ export async function render(main, route) {
     { id: "audit-kind", "data-field": "target_kind" },
     Object.entries(KINDS).map(([value, label]) => h("option", { value }, label)),
   );
-  kind.value = p.get("target_kind") || "";
-  // The page shown: entries below `before` (null: the newest), and the pages above it.
-  let before = Number(p.get("before_id")) || null;
-  let above = [];
-  const open = new Map();
-  const box = h("div");
-  const position = h("p", { id: "audit-position", class: "hint", "aria-live": "polite" });
-  const newer = h("button", { type: "button", class: "secondary", id: "audit-newer" }, "← Newer");
-  const older = h("button", { type: "button", class: "secondary", id: "audit-older" }, "Older →");
-  let nextBefore = null;
-  const form = h(
+  kind.value = params.get("target_kind") || "";
+  const el = h(
     "form",
     { class: "filters", role: "search", id: "audit-filter" },
     h("div", { class: "field" }, h("label", { for: "audit-target" }, "Target"), target),
     h("div", { class: "field" }, h("label", { for: "audit-kind" }, "Kind"), kind),
     h("button", { type: "submit" }, "Filter"),
   );
-  const filters = () => ({ target: target.value.trim(), target_kind: kind.value });
-  const go = (newBefore) => {
-    before = newBefore;
-    replaceParams("audit", null, { ...filters(), before_id: before ?? "" });
-    return show();
-  };
-  form.addEventListener("submit", (event) => {
+  el.addEventListener("submit", (event) => {
     event.preventDefault();
+    onSubmit();
+  });
+  return { el, filters: () => ({ target: target.value.trim(), target_kind: kind.value }) };
+}
+
+// Where the page shown is, in words: `before` (null: the newest) and the next page's.
+function positionWords(before, nextBefore, numItems) {
+  if (nextBefore === null) return numItems ? "The last row is the first entry." : "";
+  return before === null ? "The newest entries." : "Older entries.";
+}
+
+export async function render(main, route) {
+  // The page shown: entries below `before` (null: the newest), and the pages above it.
+  let before = Number(route.params.get("before_id")) || null;
+  let above = [];
+  let nextBefore = null;
+  const open = new Map();
+  const box = h("div");
+  const position = h("p", { id: "audit-position", class: "hint", "aria-live": "polite" });
+  const newer = h("button", { type: "button", class: "secondary", id: "audit-newer" }, "← Newer");
+  const older = h("button", { type: "button", class: "secondary", id: "audit-older" }, "Older →");
+  const form = filterForm(route.params, () => {
     above = [];
     open.clear();
     go(null);
   });
+  const go = (newBefore) => {
+    before = newBefore;
+    replaceParams("audit", null, { ...form.filters(), before_id: before ?? "" });
+    return show();
+  };
   older.addEventListener("click", () => {
     above.push(before);
     go(nextBefore);
@@ -224,11 +82,16 @@ export async function render(main, route) {
   newer.addEventListener("click", () => go(above.length ? above.pop() : null));
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Audit log"),
-    section("Changes, newest first", form, box, h("div", { class: "row" }, newer, older, position)),
+    section(
+      "Changes, newest first",
+      form.el,
+      box,
+      h("div", { class: "row" }, newer, older, position),
+    ),
   );
   async function refresh() {
     const params = new URLSearchParams({ limit: String(PAGE) });
-    for (const [key, value] of Object.entries(filters())) if (value) params.set(key, value);
+    for (const [key, value] of Object.entries(form.filters())) if (value) params.set(key, value);
     if (before !== null) params.set("before_id", String(before));
     const page = await api("GET", `/audit?${params}`);
     nextBefore = page.next_before_id;
@@ -241,30 +104,23 @@ export async function render(main, route) {
     // After a reload the pages above are not known: back to the newest.
     newer.textContent = before !== null && !above.length ? "← Newest" : "← Newer";
     older.disabled = nextBefore === null;
-    position.textContent =
-      nextBefore === null
-        ? page.items.length
-          ? "The last row is the first entry."
-          : ""
-        : before === null
-          ? "The newest entries."
-          : "Older entries.";
+    position.textContent = positionWords(before, nextBefore, page.items.length);
   }
   // A filter the server refuses is said next to its field.
   async function show() {
-    clearErrors(form);
+    clearErrors(form.el);
     try {
       await refresh();
     } catch (error) {
       if (error.status !== 422) throw error;
       box.replaceChildren();
-      fieldError(form, error.field, error.message);
+      fieldError(form.el, error.field, error.message);
     }
   }
   await show();
   // While a refused filter is shown, the timer leaves it (and the focus) alone.
   return {
-    refresh: () => (form.querySelector(".field-error") ? null : refresh()),
+    refresh: () => (form.el.querySelector(".field-error") ? null : refresh()),
     interval: 10000,
   };
 }

@@ -17,6 +17,48 @@ function apiServerCell(applied, version) {
   );
 }
 
+// version: the current config version; replicas: whether to show each engine's replica.
+function engineRow(e, version, replicas) {
+  return h(
+    "tr",
+    { dataset: { engine: e.engine_id } },
+    h("td", {}, e.engine_id),
+    h("td", {}, e.model || "–"),
+    h(
+      "td",
+      { class: e.applied_version < version ? "stale" : "" },
+      e.applied_version < version ? `${e.applied_version} (behind)` : String(e.applied_version),
+    ),
+    h("td", {}, e.connected ? "yes" : "no"),
+    ...(replicas ? [h("td", {}, e.home || "–")] : []),
+    apiServerCell(e.api_applied_version, version),
+    h("td", {}, fmtInt(e.num_shared_users)),
+    h("td", {}, fmtTime(e.last_seen)),
+  );
+}
+
+function enginesTable(items, version) {
+  if (!items.length) return h("p", {}, "No engine has connected yet.");
+  // Only replicas on PostgreSQL name a home; one control plane shows no such column.
+  const replicas = items.some((e) => e.home);
+  return table(
+    "engines",
+    [
+      "Engine",
+      "Model",
+      "Applied version",
+      "Connected",
+      ...(replicas ? ["Replica"] : []),
+      "API server",
+      "Fleet users shared",
+      "Last seen",
+    ],
+    items.map((e) => engineRow(e, version, replicas)),
+    { id: "engines" },
+    { stack: true },
+  );
+}
+
 export async function render(main) {
   const box = h("div");
   main.replaceChildren(
@@ -26,8 +68,6 @@ export async function render(main) {
   async function refresh() {
     const { version, items } = await api("GET", "/engines");
     const behind = items.filter((e) => e.connected && e.applied_version < version).length;
-    // Only replicas on PostgreSQL name a home; one control plane shows no such column.
-    const replicas = items.some((e) => e.home);
     const applied = behind
       ? `${behind} connected not yet on it.`
       : "every connected engine applied it.";
@@ -37,43 +77,7 @@ export async function render(main) {
         { class: "hint" },
         `Current config version ${version}. ${plural(items.length, "engine")}; ${applied}`,
       ),
-      items.length
-        ? table(
-            "engines",
-            [
-              "Engine",
-              "Model",
-              "Applied version",
-              "Connected",
-              ...(replicas ? ["Replica"] : []),
-              "API server",
-              "Fleet users shared",
-              "Last seen",
-            ],
-            items.map((e) =>
-              h(
-                "tr",
-                { dataset: { engine: e.engine_id } },
-                h("td", {}, e.engine_id),
-                h("td", {}, e.model || "–"),
-                h(
-                  "td",
-                  { class: e.applied_version < version ? "stale" : "" },
-                  e.applied_version < version
-                    ? `${e.applied_version} (behind)`
-                    : String(e.applied_version),
-                ),
-                h("td", {}, e.connected ? "yes" : "no"),
-                ...(replicas ? [h("td", {}, e.home || "–")] : []),
-                apiServerCell(e.api_applied_version, version),
-                h("td", {}, fmtInt(e.num_shared_users)),
-                h("td", {}, fmtTime(e.last_seen)),
-              ),
-            ),
-            { id: "engines" },
-            { stack: true },
-          )
-        : h("p", {}, "No engine has connected yet."),
+      enginesTable(items, version),
     );
   }
   await refresh();

@@ -5,23 +5,51 @@ import { fmtTime, h, section, table } from "../dom.js";
 import { confirmEffect, FieldError, handleSubmit, toast } from "../feedback.js";
 import { canWrite } from "../session.js";
 
-export async function render(main) {
-  main.replaceChildren(h("h2", { class: "view-title" }, "Access tokens"));
-  if (!canWrite()) {
-    main.append(
-      section(
-        "Viewer tokens",
-        h(
-          "p",
-          {},
-          "Only the admin token can see and manage access tokens. This session is read-only.",
-        ),
-      ),
-    );
-    return {};
+// refresh: redraws the list.
+async function revoke(token, refresh) {
+  const ok = await confirmEffect(
+    `Revoke token ${token.name}?`,
+    [`Anyone using “${token.name}” loses read access at once.`],
+    `Revoke ${token.name}`,
+  );
+  if (!ok) return;
+  try {
+    await api("DELETE", `/tokens/${token.id}`);
+    toast(`Token “${token.name}” revoked.`);
+    await refresh();
+  } catch (error) {
+    toast(error.message, "error");
   }
-  const box = h("div");
-  const created = h("div", { "aria-live": "polite" });
+}
+
+function tokenRow(token, refresh) {
+  return h(
+    "tr",
+    { dataset: { token: String(token.id) } },
+    h("td", {}, token.name),
+    h("td", {}, fmtTime(token.created_at)),
+    h("td", {}, token.revoked ? "revoked" : "active"),
+    h(
+      "td",
+      {},
+      token.revoked
+        ? ""
+        : h(
+            "button",
+            {
+              type: "button",
+              class: "danger",
+              "aria-label": `Revoke token ${token.name}`,
+              onclick: () => revoke(token, refresh),
+            },
+            "Revoke",
+          ),
+    ),
+  );
+}
+
+// The new token's secret is shown once, in `created`; refresh: redraws the list.
+function createForm(created, refresh) {
   const name = h("input", {
     id: "token-name",
     autocomplete: "off",
@@ -59,12 +87,32 @@ export async function render(main) {
     await refresh();
     return `Viewer token “${result.name}” created.`;
   });
+  return form;
+}
+
+export async function render(main) {
+  main.replaceChildren(h("h2", { class: "view-title" }, "Access tokens"));
+  if (!canWrite()) {
+    main.append(
+      section(
+        "Viewer tokens",
+        h(
+          "p",
+          {},
+          "Only the admin token can see and manage access tokens. This session is read-only.",
+        ),
+      ),
+    );
+    return {};
+  }
+  const box = h("div");
+  const created = h("div", { "aria-live": "polite" });
   main.append(
     section("Viewer tokens (read-only access)", box),
     section(
       "New viewer token",
       h("p", { class: "hint" }, "A viewer token can read everything and change nothing."),
-      form,
+      createForm(created, refresh),
       created,
     ),
   );
@@ -76,45 +124,7 @@ export async function render(main) {
         ? table(
             "viewer tokens",
             ["Name", "Created", "State", ""],
-            items.map((t) =>
-              h(
-                "tr",
-                { dataset: { token: String(t.id) } },
-                h("td", {}, t.name),
-                h("td", {}, fmtTime(t.created_at)),
-                h("td", {}, t.revoked ? "revoked" : "active"),
-                h(
-                  "td",
-                  {},
-                  t.revoked
-                    ? ""
-                    : h(
-                        "button",
-                        {
-                          type: "button",
-                          class: "danger",
-                          "aria-label": `Revoke token ${t.name}`,
-                          onclick: async () => {
-                            const ok = await confirmEffect(
-                              `Revoke token ${t.name}?`,
-                              [`Anyone using “${t.name}” loses read access at once.`],
-                              `Revoke ${t.name}`,
-                            );
-                            if (!ok) return;
-                            try {
-                              await api("DELETE", `/tokens/${t.id}`);
-                              toast(`Token “${t.name}” revoked.`);
-                              await refresh();
-                            } catch (error) {
-                              toast(error.message, "error");
-                            }
-                          },
-                        },
-                        "Revoke",
-                      ),
-                ),
-              ),
-            ),
+            items.map((t) => tokenRow(t, refresh)),
             { id: "tokens" },
             { stack: true },
           )

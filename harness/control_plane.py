@@ -1,4 +1,6 @@
-"""`output-rate serve` as a real subprocess on free loopback ports."""
+"""The control plane as tests and benchmarks drive it: empty or migrated databases
+(a SQLite file, or a PostgreSQL schema of their own) and `output-rate serve` as a real
+subprocess on free loopback ports."""
 
 from __future__ import annotations
 
@@ -7,24 +9,51 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 import httpx
 import zmq
+from sqlalchemy import create_engine, text
 
-from engine_ext.limiter import OutputRateLimiter
-from engine_ext.push_client import PushClient
+from control_plane.cli import upgrade
 from harness.servers import free_port, wait_healthy
-from tests.control_plane.factories import ADMIN_TOKEN
 
-ROOT = Path(__file__).resolve().parents[2]
+# The PostgreSQL server of the tests and benchmarks (trust auth, database `test`).
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+ADMIN_TOKEN = "admin-secret-token"
 START_TIMEOUT_S = 90.0
+
+
+@contextmanager
+def empty_database(kind: str, folder: Path) -> Iterator[str]:
+    """The URL of an empty database: a new SQLite file in `folder`, or a PostgreSQL schema
+    of its own, dropped afterwards."""
+    if kind == "sqlite":
+        yield f"sqlite:///{folder / f'cp-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@contextmanager
+def fresh_database(kind: str, folder: Path) -> Iterator[str]:
+    """A migrated, empty database URL (as `empty_database`)."""
+    with empty_database(kind, folder) as url:
+        upgrade(url)
+        yield url
 
 
 @dataclass
@@ -121,75 +150,3 @@ def serve(
 def kill_hard(served: Served) -> None:
     served.process.kill()  # SIGKILL: no shutdown hooks, no final flush
     served.process.wait()
-
-
-class ApplyingEngine:
-    """A real push client whose engine side runs on a thread of its own, as in an engine
-    core: woken by the client, it applies what arrived and notes when each version was
-    applied. A subclass adds the rest of its step in `after_apply`."""
-
-    def __init__(
-        self,
-        name: str,
-        endpoints: list[str],
-        *,
-        model: str = "tiny",
-        server_public_key: str | None = None,
-        client_secret_key: str | None = None,
-    ) -> None:
-        self.name = name
-        self.limiter = OutputRateLimiter(None)
-        self._woken = threading.Event()
-        self.client = PushClient(
-            endpoints=endpoints,
-            engine_id=name,
-            model=model,
-            server_public_key=server_public_key,
-            client_secret_key=client_secret_key,
-            wake=self._woken.set,
-        )
-        # version -> when it was applied (time.monotonic)
-        self.applied_at: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self.client.start()
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.client.close()
-
-    def __enter__(self) -> Self:
-        self.start()
-        assert self.client.wait_for_snapshot(60), f"{self.name}: no snapshot"
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-    def wait_applied(self, version: int, timeout_s: float = 60.0) -> float:
-        """When (time.monotonic) `version` was applied, waiting for it at most `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while (at := self.applied_at.get(version)) is None:
-            assert time.monotonic() < deadline, (
-                f"{self.name} stuck at version {self.client.applied_version}, not {version}"
-            )
-            time.sleep(0.0005)
-        return at
-
-    def after_apply(self, now: float) -> None:
-        """The rest of the engine thread's step (`now`: time.monotonic)."""
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._woken.wait(0.02)
-            self._woken.clear()
-            before = self.client.applied_version
-            self.client.apply_pending(self.limiter)
-            now = time.monotonic()
-            for version in range(before + 1, self.client.applied_version + 1):
-                self.applied_at.setdefault(version, now)
-            self.after_apply(now)
