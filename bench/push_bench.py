@@ -37,9 +37,11 @@ from bench.report import pct, write_report
 from control_plane.cli import upgrade
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
+from control_plane.limits.plans import UserItem
 from control_plane.limits.schemas import MAX_BULK_ITEMS
 from harness.applying_engine import ApplyingEngine
 from harness.servers import free_port
+from output_rate_core.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "push-bench-token"
@@ -52,8 +54,8 @@ def seed_users(db_url: str, num_users: int) -> None:
     step = MAX_BULK_ITEMS
     for start in range(0, num_users, step):
         items = [
-            limits.UserItem(
-                f"user-{i:07d}", None if i % 3 else i % 1000 + 1, "free" if i % 2 else None
+            UserItem(
+                f"user-{i:07d}", "free" if i % 2 else None, Policy(None if i % 3 else i % 1000 + 1)
             )
             for i in range(start, min(num_users, start + step))
         ]

@@ -28,6 +28,7 @@ from output_rate_core.limits import (
     LimitModel,
     safe_share,
 )
+from output_rate_core.policy import Enforcement
 
 
 @dataclass
@@ -67,23 +68,23 @@ class LimitTable:
 
     @property
     def default_is_shadow(self) -> bool:
-        return self.model.effective_default_enforcement == SHADOW
+        return self.model.unconfigured.enforcement == SHADOW
 
     def default_milli(self) -> int | None:
-        rate = self.model.default_rate
-        if rate is None:
+        default = self.model.unconfigured
+        if default.rate is None:
             return None
-        if self.model.effective_default_scope == ENGINE:
-            return rate * p.MILLI
-        return safe_share(rate * p.MILLI, self.num_engines)
+        if default.scope == ENGINE:
+            return default.rate * p.MILLI
+        return safe_share(default.rate * p.MILLI, self.num_engines)
 
-    def _milli(self, user: str, effective: Effective) -> tuple[bool, int | None]:
-        """(whether the user needs an entry of its own, its rate in milli-tokens/s)."""
+    def _milli(
+        self, user: str, effective: Effective, default_mode: Enforcement
+    ) -> tuple[bool, int | None]:
+        """(whether the user needs an entry of its own, its rate in milli-tokens/s);
+        `default_mode`: the default's effective enforcement."""
         rate = effective.rate
-        own = (
-            effective.source != DEFAULT
-            or effective.enforcement != self.model.effective_default_enforcement
-        )
+        own = effective.source != DEFAULT or effective.enforcement != default_mode
         if rate is None:
             return own, None
         if effective.scope == ENGINE:
@@ -100,9 +101,10 @@ class LimitTable:
     def user_millis_of(self, users: Iterable[str]) -> dict[str, int | None]:
         """``user_millis`` of these users only."""
         effective = self.model.effective
+        default_mode = self.model.unconfigured.enforcement
         millis: dict[str, int | None] = {}
         for user in users:
-            own, milli = self._milli(user, effective(user))
+            own, milli = self._milli(user, effective(user), default_mode)
             if own:
                 millis[user] = milli
         return millis
@@ -124,9 +126,10 @@ class LimitTable:
 
     def _sync(self, users: Iterable[str], limiter: OutputRateLimiter) -> None:
         effective = self.model.effective
+        default_mode = self.model.unconfigured.enforcement
         for user in users:
             user_effective = effective(user)
-            own, milli = self._milli(user, user_effective)
+            own, milli = self._milli(user, user_effective, default_mode)
             if own:
                 limiter.set_milli_rate(user, milli, shadow=user_effective.enforcement == SHADOW)
             else:
@@ -137,11 +140,12 @@ class LimitTable:
     def apply(self, op: p.Op, limiter: OutputRateLimiter) -> None:
         """One op of a delta."""
         model = self.model
-        old_default = (model.effective_default_scope, model.effective_default_enforcement)
+        old = model.unconfigured
         changed = model.apply(op)
         if changed is EVERYONE:
             limiter.set_default_milli_rate(self.default_milli(), shadow=self.default_is_shadow)
-            if (model.effective_default_scope, model.effective_default_enforcement) != old_default:
+            new = model.unconfigured
+            if (new.scope, new.enforcement) != (old.scope, old.enforcement):
                 self._sync([*self.model.users, *self.fleet.shares], limiter)
             else:
                 self._sync(list(self.fleet.shares), limiter)

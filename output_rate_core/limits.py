@@ -1,16 +1,12 @@
-"""The limit model both sides share: the effective-rate and effective-scope rules, and
-the model (default, tiers, users) as the wire protocol's ops change it.
+"""The limit model both sides share: the default, the tiers and the users, each a
+`Policy` (output_rate_core/policy.py), as the wire protocol's ops change it, and the one
+rule that says what a user is held to (`LimitModel.resolve`).
 
-A user's effective rate is its override if set, else its tier's rate, else the default
-(``None`` is unlimited). Its scope follows the same precedence with ``None`` meaning
-"inherit": the user's own, else its tier's, else the default's (``"fleet"`` unless set).
 A ``"fleet"`` limit is what the user gets summed over every engine of one control plane
 (engines enforce shares of it, docs/fleet.md); an ``"engine"`` limit is enforced in full
-by each engine on its own.
-
-Its enforcement follows the same precedence again (the default's is ``"enforce"`` unless
-set). A ``"shadow"`` limit is computed as if enforced and what it would refuse is counted,
-but nothing is refused: the engine schedules the user as an unlimited one.
+by each engine on its own. A ``"shadow"`` limit is computed as if enforced and what it
+would refuse is counted, but nothing is refused: the engine schedules the user as an
+unlimited one.
 """
 
 from __future__ import annotations
@@ -19,57 +15,26 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from output_rate_core import protocol as p
+from output_rate_core.policy import NO_POLICY, Enforcement, Policy, Scope
 
 Source = Literal["override", "tier", "default"]
 OVERRIDE: Source = "override"
 TIER: Source = "tier"
 DEFAULT: Source = "default"
 
-Scope = p.Scope
 FLEET: Scope = "fleet"
 ENGINE: Scope = "engine"
-DEFAULT_SCOPE: Scope = FLEET
-
-Enforcement = p.Enforcement
 ENFORCE: Enforcement = "enforce"
 SHADOW: Enforcement = "shadow"
-DEFAULT_ENFORCEMENT: Enforcement = ENFORCE
+# What a field resolves to when neither the user, nor its tier, nor the default sets it
+# (a rate: unlimited).
+BUILT_IN_SCOPE: Scope = FLEET
+BUILT_IN_ENFORCEMENT: Enforcement = ENFORCE
 
-
-def effective_rate(
-    override: int | None, tier: str | None, tier_rate: int | None, default_rate: int | None
-) -> tuple[int | None, Source]:
-    """(effective rate, where it comes from) of a user; ``tier_rate`` is ``tier``'s rate."""
-    if override is not None:
-        return override, OVERRIDE
-    if tier is not None:
-        return tier_rate, TIER
-    return default_rate, DEFAULT
-
-
-def effective_scope(
-    scope: Scope | None, tier: str | None, tier_scope: Scope | None, default_scope: Scope | None
-) -> Scope:
-    """A user's scope: its own, else its tier's, else the default's, else ``"fleet"``."""
-    if scope is not None:
-        return scope
-    if tier is not None and tier_scope is not None:
-        return tier_scope
-    return default_scope if default_scope is not None else DEFAULT_SCOPE
-
-
-def effective_enforcement(
-    enforcement: Enforcement | None,
-    tier: str | None,
-    tier_enforcement: Enforcement | None,
-    default_enforcement: Enforcement | None,
-) -> Enforcement:
-    """A user's enforcement: its own, else its tier's, else the default's, else "enforce"."""
-    if enforcement is not None:
-        return enforcement
-    if tier is not None and tier_enforcement is not None:
-        return tier_enforcement
-    return default_enforcement if default_enforcement is not None else DEFAULT_ENFORCEMENT
+# A user: (its tier or None, its own policy).
+UserPolicy = tuple[str | None, Policy]
+# What the model holds for a user nobody configured.
+UNCONFIGURED: UserPolicy = (None, NO_POLICY)
 
 
 def safe_share(limit_milli: int, num_engines: int) -> int:
@@ -86,11 +51,8 @@ class Effective:
     rate: int | None
     source: Source
     scope: Scope
-    enforcement: Enforcement = DEFAULT_ENFORCEMENT
+    enforcement: Enforcement = ENFORCE
 
-
-_NO_USER: tuple[None, None, None, None] = (None, None, None, None)
-_NO_TIER: tuple[None, None, None] = (None, None, None)
 
 # What an op changed: the users named, or EVERYONE (the default changed).
 EVERYONE = None
@@ -100,71 +62,74 @@ EVERYONE = None
 class LimitModel:
     """The control plane's configuration as both sides hold it in memory."""
 
-    default_rate: int | None = None
-    default_scope: Scope | None = None
-    default_enforcement: Enforcement | None = None
-    # tier -> (rate, scope, enforcement)
-    tiers: dict[str, tuple[int | None, Scope | None, Enforcement | None]] = field(
-        default_factory=dict
-    )
-    # user -> (tier, override rate, scope, enforcement)
-    users: dict[str, tuple[str | None, int | None, Scope | None, Enforcement | None]] = field(
-        default_factory=dict
-    )
+    default: Policy = NO_POLICY
+    # tier -> its policy
+    tiers: dict[str, Policy] = field(default_factory=dict)
+    # user -> (its tier or None, its own policy)
+    users: dict[str, UserPolicy] = field(default_factory=dict)
     # tier -> users assigned to it
-    members: dict[str, set[str]] = field(default_factory=dict)
+    members: dict[str, set[str]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for user, (tier, _) in self.users.items():
+            if tier is not None:
+                self.members.setdefault(tier, set()).add(user)
 
     @classmethod
     def from_snapshot(cls, snapshot: p.Snapshot) -> LimitModel:
-        model = cls(
-            default_rate=snapshot.default_rate,
-            default_scope=snapshot.default_scope,
-            default_enforcement=snapshot.default_enforcement,
-        )
-        tier_scopes, user_scopes = snapshot.tier_scopes, snapshot.user_scopes
-        tier_modes, user_modes = snapshot.tier_enforcements, snapshot.user_enforcements
-        model.tiers = {
-            name: (rate, tier_scopes.get(name), tier_modes.get(name))
-            for name, rate in snapshot.tiers.items()
-        }
-        model.users = {
-            user: (tier, rate, user_scopes.get(user), user_modes.get(user))
-            for user, (tier, rate) in snapshot.users.items()
-        }
-        for user, (tier, *_) in model.users.items():
-            if tier is not None:
-                model.members.setdefault(tier, set()).add(user)
-        return model
+        return cls(snapshot.default_policy, snapshot.tier_policies(), snapshot.user_policies())
+
+    def copy(self) -> LimitModel:
+        """A model to apply ops to without changing this one (policies are immutable)."""
+        return LimitModel(self.default, dict(self.tiers), dict(self.users))
 
     def tier_of(self, user: str) -> str | None:
-        record = self.users.get(user)
-        return None if record is None else record[0]
+        return self.users.get(user, UNCONFIGURED)[0]
 
     def effective(self, user: str) -> Effective:
-        tier, override, scope, mode = self.users.get(user, _NO_USER)
-        tier_rate, tier_scope, tier_mode = self.tiers.get(tier, _NO_TIER) if tier else _NO_TIER
-        rate, source = effective_rate(override, tier, tier_rate, self.default_rate)
+        tier, own = self.users.get(user, UNCONFIGURED)
+        return self.resolve(tier, own)
+
+    def resolve(self, tier: str | None, own: Policy) -> Effective:
+        """What a user of `tier` (None: none) with its `own` policy is held to here.
+
+        The inheritance rule, written only here: each field is the user's own value,
+        else its tier's, else the default's, else the built-in one (BUILT_IN_*). A tier's
+        rate is its users' even when None: an unlimited tier makes its users unlimited
+        (a tier that is not in the model, too)."""
+        default = self.default
+        tier_policy = None if tier is None else self.tiers.get(tier, NO_POLICY)
+        rate: int | None
+        if own.rate is not None:
+            rate, source = own.rate, OVERRIDE
+        elif tier_policy is not None:
+            rate, source = tier_policy.rate, TIER
+        else:
+            rate, source = default.rate, DEFAULT
+        scope = own.scope
+        mode = own.enforcement
+        if tier_policy is not None:
+            scope = scope if scope is not None else tier_policy.scope
+            mode = mode if mode is not None else tier_policy.enforcement
+        scope = scope if scope is not None else default.scope
+        mode = mode if mode is not None else default.enforcement
         return Effective(
             rate,
             source,
-            effective_scope(scope, tier, tier_scope, self.default_scope),
-            effective_enforcement(mode, tier, tier_mode, self.default_enforcement),
+            scope if scope is not None else BUILT_IN_SCOPE,
+            mode if mode is not None else BUILT_IN_ENFORCEMENT,
         )
 
     @property
-    def effective_default_scope(self) -> Scope:
-        return self.default_scope if self.default_scope is not None else DEFAULT_SCOPE
-
-    @property
-    def effective_default_enforcement(self) -> Enforcement:
-        mode = self.default_enforcement
-        return mode if mode is not None else DEFAULT_ENFORCEMENT
+    def unconfigured(self) -> Effective:
+        """What a user nobody configured is held to: the default, resolved."""
+        return self.resolve(None, NO_POLICY)
 
     def apply(self, op: p.Op) -> set[str] | None:
         """Apply one op; return the users whose limit it may have changed (EVERYONE: all)."""
         if isinstance(op, p.SetUser):
             self._forget_user(op.user)
-            self.users[op.user] = (op.tier, op.rate, op.scope, op.enforcement)
+            self.users[op.user] = (op.tier, op.policy)
             if op.tier is not None:
                 self.members.setdefault(op.tier, set()).add(op.user)
             return {op.user}
@@ -172,18 +137,17 @@ class LimitModel:
             self._forget_user(op.user)
             return {op.user}
         if isinstance(op, p.SetTier):
-            self.tiers[op.name] = (op.rate, op.scope, op.enforcement)
+            self.tiers[op.name] = op.policy
             return set(self.members.get(op.name, ()))
         if isinstance(op, p.DeleteTier):
             self.tiers.pop(op.name, None)
             return set(self.members.pop(op.name, set()))
         if isinstance(op, p.SetKey | p.DeleteKey):
             return set()  # an API key changes who a caller is, not anyone's limit
-        self.default_rate, self.default_scope = op.rate, op.scope
-        self.default_enforcement = op.enforcement
+        self.default = op.policy
         return EVERYONE
 
     def _forget_user(self, user: str) -> None:
-        old = self.users.pop(user, None)
-        if old is not None and old[0] is not None:
-            self.members.get(old[0], set()).discard(user)
+        tier = self.users.pop(user, UNCONFIGURED)[0]
+        if tier is not None:
+            self.members.get(tier, set()).discard(user)

@@ -17,11 +17,13 @@ server or a reconnect make the engine ask for a fresh snapshot (RESYNC).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
 
 from output_rate_core import ids, keys
+from output_rate_core.policy import Enforcement, Policy, Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # Snapshots of 1,000,000 users fit in ~40 MB; anything beyond this is dropped.
@@ -78,9 +80,6 @@ MAX_DEMAND_USERS = MAX_USAGE_USERS
 MAX_LEASE_MS = 3_600_000
 
 Rate = Annotated[int, msgspec.Meta(ge=MIN_RATE, le=MAX_RATE)] | None
-Scope = Literal["fleet", "engine"]
-# "shadow": the limit is computed and would-throttles counted, nothing is refused.
-Enforcement = Literal["enforce", "shadow"]
 # Who a connection is: an engine core (limits, usage, demand, shares), or the API server
 # of an engine in --output-rate-identity api-key mode (API keys only; docs/identity.md).
 Role = Literal["engine", "api"]
@@ -109,6 +108,13 @@ KeyHash = Annotated[str, msgspec.Meta(pattern=keys.KEY_HASH_PATTERN)]
 
 
 # ---- the ops of a delta (the rows of config_changes.ops) ----------------------
+#
+# A policy (output_rate_core/policy.py) travels as its fields, flat, exactly as before
+# there was a Policy value: engines and control planes of different builds talk to each
+# other during a rolling upgrade, and the config_changes rows already stored must keep
+# decoding. So the wire format never changes with the code's shapes: code builds ops and
+# snapshots with `of` and reads them with `policy` and the `*_policies` accessors, and
+# only these name the flat fields.
 
 
 class SetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
@@ -118,6 +124,14 @@ class SetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
     # None: inherit (the tier's, else the default's).
     scope: Scope | None = None
     enforcement: Enforcement | None = None
+
+    @classmethod
+    def of(cls, user: str, tier: str | None, policy: Policy) -> SetUser:
+        return cls(user, tier, policy.rate, policy.scope, policy.enforcement)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.rate, self.scope, self.enforcement)
 
 
 class DeleteUser(msgspec.Struct, frozen=True, tag_field="op", tag="delete_user"):
@@ -130,6 +144,14 @@ class SetTier(msgspec.Struct, frozen=True, tag_field="op", tag="set_tier"):
     scope: Scope | None = None
     enforcement: Enforcement | None = None
 
+    @classmethod
+    def of(cls, name: str, policy: Policy) -> SetTier:
+        return cls(name, policy.rate, policy.scope, policy.enforcement)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.rate, self.scope, self.enforcement)
+
 
 class DeleteTier(msgspec.Struct, frozen=True, tag_field="op", tag="delete_tier"):
     name: Name
@@ -141,6 +163,14 @@ class SetDefault(msgspec.Struct, frozen=True, tag_field="op", tag="set_default")
     scope: Scope | None = None
     # None: "enforce".
     enforcement: Enforcement | None = None
+
+    @classmethod
+    def of(cls, policy: Policy) -> SetDefault:
+        return cls(policy.rate, policy.scope, policy.enforcement)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.rate, self.scope, self.enforcement)
 
 
 class SetKey(msgspec.Struct, frozen=True, tag_field="op", tag="set_key"):
@@ -174,6 +204,10 @@ class Hello(msgspec.Struct, frozen=True):
 
 
 class Snapshot(msgspec.Struct, frozen=True):
+    """The whole configuration at one version. Its policies travel as separate flat maps
+    (the wire format, kept as it is: see the ops above); `of` and the accessors below
+    are the only code that names them."""
+
     version: Version
     default_rate: Rate
     tiers: dict[Name, Rate]
@@ -191,6 +225,59 @@ class Snapshot(msgspec.Struct, frozen=True):
     num_engines: Annotated[int, msgspec.Meta(ge=1)] = 1
     # API key id -> (user, hash of the key); only in snapshots for the "api" role.
     keys: dict[KeyId, tuple[Name, KeyHash]] = {}
+
+    @classmethod
+    def of(
+        cls,
+        version: int,
+        default: Policy,
+        tiers: Mapping[str, Policy],
+        users: Mapping[str, tuple[str | None, Policy]],
+    ) -> Snapshot:
+        """`users`: user -> (its tier or None, its own policy)."""
+        # One pass over the users (a snapshot may hold a million).
+        flat: dict[str, tuple[str | None, int | None]] = {}
+        user_scopes: dict[str, Scope] = {}
+        user_enforcements: dict[str, Enforcement] = {}
+        for user, (tier, policy) in users.items():
+            flat[user] = (tier, policy.rate)
+            if policy.scope is not None:
+                user_scopes[user] = policy.scope
+            if policy.enforcement is not None:
+                user_enforcements[user] = policy.enforcement
+        return cls(
+            version=version,
+            default_rate=default.rate,
+            tiers={name: policy.rate for name, policy in tiers.items()},
+            users=flat,
+            default_scope=default.scope,
+            tier_scopes={n: t.scope for n, t in tiers.items() if t.scope is not None},
+            user_scopes=user_scopes,
+            default_enforcement=default.enforcement,
+            tier_enforcements={
+                n: t.enforcement for n, t in tiers.items() if t.enforcement is not None
+            },
+            user_enforcements=user_enforcements,
+        )
+
+    @property
+    def default_policy(self) -> Policy:
+        return Policy(self.default_rate, self.default_scope, self.default_enforcement)
+
+    def tier_policies(self) -> dict[str, Policy]:
+        scopes, modes = self.tier_scopes, self.tier_enforcements
+        return {
+            name: Policy(rate, scopes.get(name), modes.get(name))
+            for name, rate in self.tiers.items()
+        }
+
+    def user_policies(self) -> dict[str, tuple[str | None, Policy]]:
+        """user -> (its tier or None, its own policy)."""
+        scopes, modes = self.user_scopes, self.user_enforcements
+        return {
+            user: (tier, Policy(rate, scopes.get(user), modes.get(user)))
+            for user, (tier, rate) in self.users.items()
+        }
 
 
 class Delta(msgspec.Struct, frozen=True):

@@ -4,6 +4,7 @@ at a time."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Row
@@ -21,26 +22,30 @@ MAX_AUDIT_PAGE_BYTES = 1024 * 1024
 MAX_AUDIT_INLINE_BYTES = 64 * 1024
 
 
-def record(
-    conn: Connection,
-    *,
-    version: int,
-    actor: str,
-    action: str,
-    target: AuditTarget,
-    before: Any,
-    after: Any,
-) -> None:
-    """One entry, in the caller's transaction (the change it describes); a bulk target's
-    users are written with it (audit_targets), so each user's history finds it."""
+@dataclass(frozen=True)
+class Entry:
+    """One entry as the service that made the change gives it: who, what, about what,
+    and the target's values before and after (None: it did not exist, or no longer does)."""
+
+    actor: str
+    action: str
+    target: AuditTarget
+    before: Any
+    after: Any
+
+
+def record(conn: Connection, *, version: int, entry: Entry) -> None:
+    """Write `entry` at `version`, in the caller's transaction (the change it describes); a
+    bulk target's users are written with it (audit_targets), so each user's history finds
+    it."""
     repo.add_audit(
         conn,
         version=version,
-        actor=actor,
-        action=action,
-        target=target,
-        before=before,
-        after=after,
+        actor=entry.actor,
+        action=entry.action,
+        target=entry.target,
+        before=entry.before,
+        after=entry.after,
     )
 
 

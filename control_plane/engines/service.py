@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Connection
 
+from control_plane.config import service as config
 from control_plane.db import service
 from control_plane.deps import FleetView
 from control_plane.engines import repository as repo
@@ -15,7 +16,6 @@ from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fencing import LEADER, check_fence, database_now
 from control_plane.fleet.view import NoFleet
-from control_plane.limits import service as limits
 from output_rate_core import protocol as p
 
 # What /metrics lists engines with: it shows no shares.
@@ -70,7 +70,7 @@ def list_engines(
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s
     ]
-    return EngineList(version=limits.current_version(conn), items=items)
+    return EngineList(version=config.current_version(conn), items=items)
 
 
 @service("write")

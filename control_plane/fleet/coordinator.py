@@ -2,10 +2,11 @@
 server's thread; read by REST threads (it is their ``FleetView``).
 
 The push server calls it for every bound engine's message (``heard``, ``on_demand``,
-``on_ack``), after it reads the change log (``refresh``) and on every loop turn
+``on_ack``), after it reads the change log (``catch_up``) and on every loop turn
 (``step``), and sends the ``Shares`` frames it returns. The limit model is the one both
 sides use (output_rate_core.limits.LimitModel), kept at the change log's newest
-version; only users some engine reported demand for are given to the allocator.
+version by a log follower (control_plane/config/follower.py); only users some engine
+reported demand for are given to the allocator.
 
 Epochs: each time an engine (re)joins the allocator it gets a fresh epoch, so its
 share sequence starts over and the engine takes the first full table of the new epoch
@@ -29,11 +30,11 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from control_plane.config.follower import Catchup, LogFollower
 from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
 from output_rate_core import protocol as p
-from output_rate_core.limits import EVERYONE, FLEET, LimitModel
+from output_rate_core.limits import EVERYONE, FLEET
 
 # Users nobody reports demand for any more are dropped from the tracked set this often.
 TRACKED_SWEEP_INTERVAL_S = 30.0
@@ -52,10 +53,6 @@ def quiet_until(predecessor_stopped_at: float, lease_s: float) -> float:
     return predecessor_stopped_at + lease_s + TAKEOVER_MARGIN_S
 
 
-LoadSnapshot = Callable[[], p.Snapshot]
-LoadChanges = Callable[[int], list[tuple[int, list[dict[str, Any]]]]]
-
-
 class FleetCoordinator:
     def __init__(
         self,
@@ -69,9 +66,7 @@ class FleetCoordinator:
         self.quiet_until = quiet_until
         self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
         self._lock = threading.Lock()
-        self._model = LimitModel()
-        # The change-log version the model is at (None: not loaded yet).
-        self._model_version: int | None = None
+        self._limits = LogFollower()
         # Users the allocator was given a limit for.
         self._tracked: set[str] = set()
         self._next_sweep = clock() + TRACKED_SWEEP_INTERVAL_S
@@ -89,27 +84,21 @@ class FleetCoordinator:
     def num_engines(self) -> int:
         return max(1, self._allocator.num_engines)
 
-    def refresh(self, load_snapshot: LoadSnapshot, load_changes: LoadChanges) -> None:
-        """Bring the limit model to the change log's newest version."""
-        if self._model_version is not None:
-            changes = load_changes(self._model_version)
-            if not changes:
-                return
-            if changes[0][0] == self._model_version + 1:
-                changed: set[str] | None = set()
-                for version, rows in changes:
-                    for op in p.ops_from_rows(rows):
-                        users = self._model.apply(op)
-                        changed = None if users is EVERYONE or changed is None else changed | users
-                    self._model_version = version
-                with self._lock:
-                    self._retarget(self._tracked if changed is None else changed & self._tracked)
-                return
-        snapshot = load_snapshot()  # first time, or the log was pruned past the model
-        self._model = LimitModel.from_snapshot(snapshot)
-        self._model_version = snapshot.version
+    def catch_up(self, catchup: Catchup) -> None:
+        """Bring the limit model to the change log's newest version (`catchup`: read by the
+        push server's log reader at the model's version); the users it tracks whose limit a
+        change may have moved get their new limit."""
+        if catchup.up_to_date:
+            return
+        changed: set[str] | None = set()
+
+        def note(users: set[str] | None) -> None:
+            nonlocal changed
+            changed = None if users is EVERYONE or changed is None else changed | users
+
+        self._limits.apply(catchup, note)
         with self._lock:
-            self._retarget(self._tracked)
+            self._retarget(self._tracked if changed is None else changed & self._tracked)
 
     def await_engines(self, engine_ids: Iterable[str], *, wait_s: float = SEED_WAIT_S) -> None:
         """The fleet had these engines: count them now, stay quiet until each said its
@@ -193,7 +182,7 @@ class FleetCoordinator:
         self._allocator.engine_heard(engine_id)
 
     def _limit_of(self, user: str) -> int | None:
-        effective = self._model.effective(user)
+        effective = self._limits.model.effective(user)
         return effective.rate if effective.scope == FLEET else None
 
     def _retarget(self, users: Iterable[str]) -> None:

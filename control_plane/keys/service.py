@@ -1,6 +1,6 @@
 """The rules of API keys. Keys are versioned configuration: a creation appends one
-version with `[SetKey]`, a revocation one with `[DeleteKey]`, through the limits
-domain's change log, so the push server delivers them as deltas at once; each is
+version with `[SetKey]`, a revocation one with `[DeleteKey]`, through the config log
+(control_plane/config/), so the push server delivers them as deltas at once; each is
 audited (id, prefix and user, never the key nor its hash).
 
 Revoking deletes the row (the audit log keeps who made and revoked which key), so a
@@ -13,13 +13,14 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection
 
+from control_plane.audit import service as audit
 from control_plane.audit.targets import user_target
+from control_plane.config import service as config
 from control_plane.db import ConfigChange, service
 from control_plane.deps import KeyCreations
 from control_plane.errors import Conflict, NotFound, TooManyRequests
 from control_plane.keys import repository as repo
 from control_plane.keys.schemas import KeyCreated, KeyList, KeyOut
-from control_plane.limits import service as limits
 from output_rate_core import keys
 from output_rate_core import protocol as p
 
@@ -37,7 +38,7 @@ def create_key(
     conn: Connection, *, actor: str, user: str, max_keys_per_user: int, bucket: KeyCreations
 ) -> ConfigChange[KeyCreated]:
     """A new key of `user`; the response is the only place the key itself ever shows."""
-    state = limits.lock_config(conn)
+    state = config.lock(conn)
     num_keys = repo.count_user_keys(conn, user)
     if num_keys >= max_keys_per_user:
         raise Conflict(
@@ -60,15 +61,11 @@ def create_key(
         raise RuntimeError("no free API key id")
     key_hash = keys.hash_key(key)
     created_at = datetime.now(UTC)
-    version = limits.record_change(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="create_key",
-        target=user_target(user),
-        before=None,
-        after=_audit_record(key_id, user),
-        ops=[p.SetKey(id=key_id, user=user, hash=key_hash)],
+        [p.SetKey(id=key_id, user=user, hash=key_hash)],
+        audit.Entry(actor, "create_key", user_target(user), None, _audit_record(key_id, user)),
     )
     repo.insert_key(conn, key_id=key_id, user=user, key_hash=key_hash, created_at=created_at)
     return ConfigChange(KeyCreated(id=key_id, key=key, user=user, created_at=created_at), version)
@@ -93,19 +90,17 @@ def list_keys(conn: Connection, *, user: str) -> KeyList:
 @service("write")
 def revoke_key(conn: Connection, *, actor: str, key_id: str) -> ConfigChange[None]:
     """Revoke a key on every engine's API server (a delta, like a limit change)."""
-    state = limits.lock_config(conn)
+    state = config.lock(conn)
     row = repo.get_key(conn, key_id)
     if row is None:
         raise NotFound(f"id: API key {key_id!r} does not exist (or was revoked)", field="id")
-    version = limits.record_change(
+    version = config.commit(
         conn,
         state,
-        actor=actor,
-        action="revoke_key",
-        target=user_target(row.user),
-        before=_audit_record(row.id, row.user),
-        after=None,
-        ops=[p.DeleteKey(id=key_id)],
+        [p.DeleteKey(id=key_id)],
+        audit.Entry(
+            actor, "revoke_key", user_target(row.user), _audit_record(row.id, row.user), None
+        ),
     )
     repo.delete_key(conn, key_id)
     return ConfigChange(None, version)
@@ -114,11 +109,11 @@ def revoke_key(conn: Connection, *, actor: str, key_id: str) -> ConfigChange[Non
 @service("read")
 def load_key_snapshot(conn: Connection) -> p.Snapshot:
     """The version and every live key as of one instant, as an engine's API server
-    receives them: no limits (those are the engine core's). Like limits.load_snapshot,
+    receives them: no limits (those are the engine core's). Like config.load_snapshot,
     one REPEATABLE READ transaction on PostgreSQL: give it a fresh connection."""
     if not conn.in_transaction() and conn.dialect.name == "postgresql":
         conn.execution_options(isolation_level="REPEATABLE READ")
-    version = limits.current_version(conn)
+    version = config.current_version(conn)
     return p.Snapshot(
         version=version, default_rate=None, tiers={}, users={}, keys=repo.all_keys(conn)
     )

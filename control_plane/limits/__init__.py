@@ -1,2 +1,2 @@
-"""Limits: users' records, tiers, the default limit, and the config version, snapshot and
-change log that engines are pushed."""
+"""Limits: users' records, tiers and the default limit: their rules, views and previews
+(every write commits through the config log, control_plane/config/)."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from control_plane.errors import LineProblem
+from control_plane.limits.plans import UserItem
 from control_plane.limits.schemas import BulkItem
-from control_plane.limits.service import UserItem
 
 COLUMNS = ("user", "tier", "output_tokens_per_second", "scope", "enforcement")
 # The console's name of the third column.
@@ -111,5 +111,4 @@ def _item(line: int, fields: list[str], problems: list[LineProblem]) -> UserItem
     if found:
         problems.extend(found)
         return None
-    rate = item.output_tokens_per_second
-    return UserItem(item.user, rate, item.tier, item.scope, item.enforcement)
+    return UserItem(item.user, item.tier, item.policy)

@@ -1,9 +1,11 @@
-"""The real impact of a limit write, computed without writing it (?dry_run=true).
+"""The real impact of a limit write, computed without writing it (?dry_run=true): the
+diff of the write's own plan (control_plane/limits/plans.py), which validated the request
+with the write's rules and errors and holds the write's ops and the limit model before
+and after them.
 
-Each preview validates its input with the same rules as the write (the service's checks,
-raising the same errors), reads what the write would change in a few bulk statements
-(the config state, the tiers, the records concerned, one read of the last hour of usage
-history) and compares every concerned user before and after:
+The diff adds to both models the users the ops may move that the plan did not read (a
+tier's users, or everyone for a default change), reads the last hour of their usage
+history in one statement, and compares every concerned user before and after:
 
 - by the *held* rate: the effective rate where the effective enforcement is "enforce",
   unlimited under "shadow" (a shadow limit holds nobody back), so a shadow -> enforce
@@ -23,28 +25,19 @@ pydantic items cost more than the whole computation.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection
 
-from control_plane.db import service
+from control_plane.config.repository import UserRecord
 from control_plane.limits import repository as repo
-from control_plane.limits import service as limits
-from control_plane.limits.repository import TierLimit, UserRecord
+from control_plane.limits.plans import Plan
 from control_plane.limits.schemas import MAX_BULK_ITEMS, Change
-from control_plane.limits.service import BulkInput, UserItem
 from control_plane.usage import repository as usage
 from control_plane.usage.repository import MinuteTokens
-from output_rate_core.limits import (
-    ENFORCE,
-    Enforcement,
-    Scope,
-    effective_enforcement,
-    effective_rate,
-    effective_scope,
-)
+from output_rate_core import protocol as p
+from output_rate_core.limits import ENFORCE, UNCONFIGURED, Effective, LimitModel, UserPolicy
 
 # A ChangePreview as JSON-ready values (the route encodes it as is).
 Preview = dict[str, Any]
@@ -52,65 +45,21 @@ HOUR_S = 3600
 MINUTE_S = 60
 
 
-@dataclass(frozen=True)
-class Default:
-    rate: int | None
-    scope: Scope | None
-    enforcement: Enforcement | None
-
-
-@dataclass(frozen=True)
-class World:
-    """What records resolve against: the tiers and the default."""
-
-    tiers: Mapping[str, TierLimit]
-    default: Default
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A user the change may concern: its record before and after (None: no record);
-    `listed`: shown even when nothing changes for it (the write names it)."""
-
-    user: str
-    before: UserRecord | None
-    after: UserRecord | None
-    listed: bool
-
-
-def _resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
-    """(effective rate, scope, enforcement) of a record (None: the default's)."""
-    tier_name = record.tier if record else None
-    tier = world.tiers.get(tier_name) if tier_name else None
-    tier_rate, tier_scope, tier_mode = tier if tier is not None else (None, None, None)
-    d = world.default
-    rate, _ = effective_rate(record.rate if record else None, tier_name, tier_rate, d.rate)
-    scope = effective_scope(record.scope if record else None, tier_name, tier_scope, d.scope)
-    mode = effective_enforcement(
-        record.enforcement if record else None, tier_name, tier_mode, d.enforcement
-    )
-    return rate, scope, mode
-
-
-def _held(resolved: tuple[int | None, Scope, Enforcement]) -> int | None:
+def _held(resolved: Effective) -> int | None:
     """The rate the user is held to (None: unlimited; shadow holds nobody)."""
-    rate, _, mode = resolved
-    return rate if mode == ENFORCE else None
+    return resolved.rate if resolved.enforcement == ENFORCE else None
 
 
-def _state(
-    record: UserRecord | None, resolved: tuple[int | None, Scope, Enforcement]
-) -> dict[str, Any] | None:
-    """An ItemState."""
+def _state(record: UserPolicy | None, resolved: Effective) -> dict[str, Any] | None:
+    """An ItemState of a record (tier, own policy; None: none)."""
     if record is None:
         return None
-    rate, scope, mode = resolved
     return {
-        "tier": record.tier,
-        "output_tokens_per_second": record.rate,
-        "effective_output_tokens_per_second": rate,
-        "effective_scope": scope,
-        "effective_enforcement": mode,
+        "tier": record[0],
+        "output_tokens_per_second": record[1].rate,
+        "effective_output_tokens_per_second": resolved.rate,
+        "effective_scope": resolved.scope,
+        "effective_enforcement": resolved.enforcement,
     }
 
 
@@ -153,56 +102,59 @@ def _cut_key(before: int | None, after: int | None) -> float:
 def build(
     *,
     version: int,
-    candidates: Iterable[Candidate],
-    before: World,
-    after: World,
+    users: Iterable[str],
+    named: Container[str],
+    before: LimitModel,
+    after: LimitModel,
     history: Mapping[str, MinuteTokens],
     items_limit: int,
 ) -> Preview:
+    """The preview of `users` (those in `named` listed even when nothing changes for them,
+    the others only when their effective values change) from `before` to `after`."""
     downs: list[tuple[float, str, dict[str, Any]]] = []
     ups: list[dict[str, Any]] = []
     sames: list[dict[str, Any]] = []
     num_created = num_dropped = num_over = num_kept = 0
     # Records resolve by their values alone: thousands of users share a few of them.
-    resolved: dict[tuple[bool, Any], tuple[int | None, Scope, Enforcement]] = {}
+    resolved: dict[tuple[bool, UserPolicy], Effective] = {}
 
-    def resolve(record: UserRecord | None, world: World) -> tuple[int | None, Scope, Enforcement]:
-        key = (world is after, record and record._replace(version=0))
+    def resolve(record: UserPolicy | None, model: LimitModel) -> Effective:
+        key = (model is after, record or UNCONFIGURED)
         found = resolved.get(key)
         if found is None:
-            found = resolved[key] = _resolve(record, world)
+            found = resolved[key] = model.resolve(*key[1])
         return found
 
-    for c in candidates:
-        old = resolve(c.before, before)
-        new = resolve(c.after, after)
-        if not c.listed and old == new:
+    for user in users:
+        was, becomes = before.users.get(user), after.users.get(user)
+        old, new = resolve(was, before), resolve(becomes, after)
+        if user not in named and old == new:
             continue
         old_held, new_held = _held(old), _held(new)
         change = _order(old_held, new_held)
-        created = c.before is None and c.after is not None
+        created = was is None and becomes is not None
         dropped = (
-            c.before is not None
-            and c.before.rate is not None
-            and (c.after is None or c.after.rate is None)
+            was is not None
+            and was[1].rate is not None
+            and (becomes is None or becomes[1].rate is None)
         )
-        last_hour = _last_hour(history.get(c.user), new_held)
+        last_hour = _last_hour(history.get(user), new_held)
         item = {
-            "user": c.user,
+            "user": user,
             "change": change,
             "created": created,
             "override_dropped": dropped,
-            "before": _state(c.before, old),
-            "after": _state(c.after, new),
+            "before": _state(was, old),
+            "after": _state(becomes, new),
             "last_hour": last_hour,
         }
         num_created += created
         num_dropped += dropped
-        # The write's own rule for a record it leaves as it is (a bulk write skips those).
-        num_kept += limits.record_values(c.before) == limits.record_values(c.after)
+        # A record the write's ops leave as it is (a bulk write skips those).
+        num_kept += was == becomes
         if change == "down":
             num_over += bool(last_hour and last_hour["num_minutes_over_new_limit"])
-            downs.append((_cut_key(old_held, new_held), c.user, item))
+            downs.append((_cut_key(old_held, new_held), user, item))
         else:
             (ups if change == "up" else sames).append(item)
     downs.sort(key=lambda d: (d[0], d[1]))
@@ -225,13 +177,16 @@ def build(
     }
 
 
-# ---- what each write would do ----------------------------------------------
-
-
-def _world(conn: Connection) -> tuple[int, World]:
-    state = repo.get_config(conn)
-    default = Default(state.default_rate, state.default_scope, state.default_enforcement)
-    return state.version, World(repo.tier_limits(conn), default)
+def _concerned(conn: Connection, ops: Sequence[p.Op]) -> dict[str, UserRecord]:
+    """The records of the users `ops` may move that a plan does not read: everyone's for a
+    default change, a tier's users for a tier change (a plan holds the users it names)."""
+    if any(isinstance(op, p.SetDefault) for op in ops):
+        return repo.all_records(conn)
+    records: dict[str, UserRecord] = {}
+    for op in ops:
+        if isinstance(op, p.SetTier | p.DeleteTier):
+            records.update(repo.all_records(conn, tier=op.name))
+    return records
 
 
 def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteTokens]:
@@ -244,170 +199,26 @@ def _history(conn: Connection, users: Sequence[str] | None) -> dict[str, MinuteT
     return usage.minute_tokens(conn, since=since, until=now + MINUTE_S, users=users)
 
 
-def _record(item: UserItem, version: int) -> UserRecord:
-    return UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
-
-
-def _users_preview(
-    conn: Connection,
-    version: int,
-    world: World,
-    pairs: Sequence[tuple[str, UserRecord | None, UserRecord | None]],
-    items_limit: int,
-) -> Preview:
-    """Users named by the write, each with its record before and after."""
-    users = [user for user, _, _ in pairs]
-    history = _history(conn, users)
-    candidates = [Candidate(u, b, a, listed=True) for u, b, a in pairs]
+def diff(conn: Connection, version: int, plan: Plan[Any], items_limit: int) -> Preview:
+    """What `plan` (made at `version`) would change, user by user: the users it names,
+    and those whose effective rate, scope or enforcement it moves. After a default change
+    also the users seen in the last hour without a record (they follow the default)."""
+    before, after = plan.before, plan.after
+    concerned = {u: (r.tier, r.policy) for u, r in _concerned(conn, plan.ops).items()}
+    if concerned:  # the ops leave their records as they are: the same in both models
+        before = LimitModel(before.default, before.tiers, {**before.users, **concerned})
+        after = LimitModel(after.default, after.tiers, {**after.users, **concerned})
+    users = dict.fromkeys([*plan.named, *before.users, *after.users])
+    if before.default != after.default:
+        history = _history(conn, None)
+        users.update(dict.fromkeys(history))
+    else:
+        history = _history(conn, list(users)) if users else {}
     return build(
         version=version,
-        candidates=candidates,
-        before=world,
-        after=world,
-        history=history,
-        items_limit=items_limit,
-    )
-
-
-@service("read")
-def put_limit(
-    conn: Connection,
-    *,
-    user: str,
-    rate: int | None,
-    tier: str | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    items_limit: int,
-) -> Preview:
-    version, world = _world(conn)
-    limits.tier_limit_of(conn, tier)
-    record = repo.get_user(conn, user)
-    after = _record(UserItem(user, rate, tier, scope, enforcement), version)
-    return _users_preview(conn, version, world, [(user, record, after)], items_limit)
-
-
-@service("read")
-def patch_limit(
-    conn: Connection, *, user: str, changes: dict[str, Any], items_limit: int
-) -> Preview:
-    version, world = _world(conn)
-    record = repo.get_user(conn, user)
-    item = limits.patched_item(record, user, changes)
-    limits.tier_limit_of(conn, item.tier)
-    # A patch that sets nothing on an unconfigured user creates no record (as the write).
-    unchanged = record is None and item == UserItem(user, None, None)
-    after = None if unchanged else _record(item, version)
-    return _users_preview(conn, version, world, [(user, record, after)], items_limit)
-
-
-@service("read")
-def delete_limit(conn: Connection, *, user: str, items_limit: int) -> Preview:
-    version, world = _world(conn)
-    record = repo.get_user(conn, user)
-    return _users_preview(conn, version, world, [(user, record, None)], items_limit)
-
-
-@service("scan")
-def bulk_put_limits(
-    conn: Connection,
-    *,
-    items: Sequence[UserItem],
-    lines: Sequence[int] | None = None,
-    problems: Sequence[Any] = (),
-    items_limit: int,
-) -> Preview:
-    version, world = _world(conn)
-    limits.check_bulk(BulkInput(items, lines, problems), world.tiers)
-    records = repo.records_of(conn, [i.user for i in items])
-    pairs = [(i.user, records.get(i.user), _record(i, version)) for i in items]
-    return _users_preview(conn, version, world, pairs, items_limit)
-
-
-def _tier_preview(
-    conn: Connection,
-    *,
-    name: str,
-    tier: repo.TierRow | None,
-    limit: TierLimit,
-    items_limit: int,
-) -> Preview:
-    """The users of tier `name` (now `tier`, None: new) whose values change with `limit`."""
-    version, world = _world(conn)
-    after = World({**world.tiers, name: limit}, world.default)
-    records = repo.user_records(conn, tier=name) if tier and tier.num_users else {}
-    users = list(records)
-    history = _history(conn, users) if users else {}
-    return build(
-        version=version,
-        candidates=[Candidate(u, r, r, listed=False) for u, r in records.items()],
-        before=world,
-        after=after,
-        history=history,
-        items_limit=items_limit,
-    )
-
-
-@service("scan")
-def put_tier(
-    conn: Connection,
-    *,
-    name: str,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    items_limit: int,
-) -> Preview:
-    limit = TierLimit(rate, scope, enforcement)
-    tier = repo.get_tier(conn, name)
-    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
-
-
-@service("scan")
-def patch_tier(
-    conn: Connection, *, name: str, changes: dict[str, Any], items_limit: int
-) -> Preview:
-    tier = limits.existing_tier(conn, name)
-    limit = limits.patched_tier_limit(tier, changes)
-    return _tier_preview(conn, name=name, tier=tier, limit=limit, items_limit=items_limit)
-
-
-@service("read")
-def delete_tier(conn: Connection, *, name: str, items_limit: int) -> Preview:
-    version, world = _world(conn)
-    limits.deletable_tier(conn, name)
-    # A tier is deleted only without users: nobody's limit changes.
-    return build(
-        version=version,
-        candidates=(),
-        before=world,
-        after=world,
-        history={},
-        items_limit=items_limit,
-    )
-
-
-@service("scan")
-def put_default(
-    conn: Connection,
-    *,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    items_limit: int,
-) -> Preview:
-    """Every configured user whose effective values change, and the users seen in the
-    last hour with no record (they follow the default)."""
-    version, world = _world(conn)
-    after = World(world.tiers, Default(rate, scope, enforcement))
-    records = repo.user_records(conn)
-    history = _history(conn, None)
-    candidates = [Candidate(u, r, r, listed=False) for u, r in records.items()]
-    candidates += [Candidate(u, None, None, listed=False) for u in history if u not in records]
-    return build(
-        version=version,
-        candidates=candidates,
-        before=world,
+        users=users,
+        named=set(plan.named),
+        before=before,
         after=after,
         history=history,
         items_limit=items_limit,

@@ -1,118 +1,34 @@
-"""Limit queries: the config state, tiers, users and the change log. No rules here: the
-service decides, this module reads and writes rows.
+"""Limit reads: one user's limit, tiers, pages of users. No rules here: the service
+decides, this module reads rows. A write's rows are written by the config log's commit
+(control_plane/config/), from the write's ops; the one-statement reads here join the
+config row's columns.
 
 SQLAlchemy Core on a Connection: the hot statements are built once at import (their
-compiled form is cached), and rows come back as named tuples, not ORM objects. A PUT
-costs a fifth of its ORM unit-of-work form (docs/control-plane.md, "How a request runs").
+compiled form is cached), and rows come back as named tuples, not ORM objects
+(docs/control-plane.md, "How a request runs").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-import msgspec
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, select
 
-from control_plane.db import one_of
-from control_plane.models import ConfigChange, ConfigState, Tier, UserLimit, table
-from output_rate_core import protocol as p
-from output_rate_core.limits import Enforcement, Scope
+from control_plane.config.repository import (
+    CONFIG_ROW_ID,
+    RECORD_COLUMNS,
+    STATE_COLUMNS,
+    State,
+    UserRecord,
+    config_state,
+    state_of,
+    user_record,
+)
+from control_plane.models import Tier, UserLimit, table
+from output_rate_core.policy import Policy
 
-CONFIG_ROW_ID = 1
-
-config_state = table(ConfigState)
 tiers = table(Tier)
 user_limits = table(UserLimit)
-config_changes = table(ConfigChange)
-
-
-class State(NamedTuple):
-    version: int
-    default_rate: int | None
-    default_scope: Scope | None
-    num_users: int
-    default_enforcement: Enforcement | None = None
-
-
-class UserRecord(NamedTuple):
-    """A configured user's row: its tier, its override rate, scope and enforcement (None:
-    inherit), the version of its last change."""
-
-    tier: str | None
-    rate: int | None
-    scope: Scope | None
-    version: int
-    enforcement: Enforcement | None = None
-
-
-class TierLimit(NamedTuple):
-    """What a tier gives its users: its rate (None: unlimited), its scope and enforcement
-    (None: inherit)."""
-
-    rate: int | None
-    scope: Scope | None
-    enforcement: Enforcement | None = None
-
-
-def _state(row: Any) -> State:
-    assert row is not None, "config_state row is created by the initial migration"
-    return State._make(row)
-
-
-# ---- config state ------------------------------------------------------------
-
-_STATE_COLUMNS = (
-    config_state.c.version,
-    config_state.c.default_rate,
-    config_state.c.default_scope,
-    config_state.c.num_users,
-    config_state.c.default_enforcement,
-)
-_GET_STATE = select(*_STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
-# The no-op UPDATE is the first statement of every write transaction: on PostgreSQL it
-# takes the config row's lock, so concurrent writers queue before they read anything
-# they will change (SQLite writers already hold the lock from BEGIN IMMEDIATE).
-_LOCK_STATE = (
-    update(config_state)
-    .where(config_state.c.id == CONFIG_ROW_ID)
-    .values(version=config_state.c.version)
-    .returning(*_STATE_COLUMNS)
-)
-_BUMP_STATE = (
-    update(config_state)
-    .where(config_state.c.id == CONFIG_ROW_ID)
-    .values(
-        version=bindparam("new_version"),
-        num_users=config_state.c.num_users + bindparam("new_users"),
-        updated_at=bindparam("now"),
-    )
-)
-
-
-def lock_config(conn: Connection) -> State:
-    return _state(conn.execute(_LOCK_STATE).one_or_none())
-
-
-def get_config(conn: Connection) -> State:
-    return _state(conn.execute(_GET_STATE).one_or_none())
-
-
-def bump_config(conn: Connection, *, version: int, new_users: int) -> None:
-    conn.execute(
-        _BUMP_STATE, {"new_version": version, "new_users": new_users, "now": datetime.now(UTC)}
-    )
-
-
-def set_default(
-    conn: Connection, rate: int | None, scope: Scope | None, enforcement: Enforcement | None
-) -> None:
-    conn.execute(
-        update(config_state)
-        .where(config_state.c.id == CONFIG_ROW_ID)
-        .values(default_rate=rate, default_scope=scope, default_enforcement=enforcement)
-    )
 
 
 # ---- one user's limit, in one statement --------------------------------------
@@ -120,21 +36,17 @@ def set_default(
 
 class LimitRow(NamedTuple):
     """What a LimitView needs: the config state, the user's row (None: not configured),
-    its tier's limit (None: no tier)."""
+    its tier's policy (None: no tier)."""
 
     state: State
     record: UserRecord | None
-    tier: TierLimit | None
+    tier: Policy | None
 
 
 _GET_LIMIT = (
     select(
-        *_STATE_COLUMNS,
-        user_limits.c.tier,
-        user_limits.c.rate,
-        user_limits.c.scope,
-        user_limits.c.version,
-        user_limits.c.enforcement,
+        *STATE_COLUMNS,
+        *RECORD_COLUMNS,
         tiers.c.rate,
         tiers.c.scope,
         tiers.c.enforcement,
@@ -151,11 +63,14 @@ _GET_LIMIT = (
 def get_limit_row(conn: Connection, user: str) -> LimitRow:
     row = conn.execute(_GET_LIMIT, {"user": user}).one_or_none()
     assert row is not None, "config_state row is created by the initial migration"
-    num_state = len(_STATE_COLUMNS)
-    state = _state(row[:num_state])
-    tier, rate, scope, version, enforcement, *tier_limit = row[num_state:]
-    record = None if version is None else UserRecord(tier, rate, scope, version, enforcement)
-    return LimitRow(state, record, None if tier is None else TierLimit(*tier_limit))
+    num_state, num_record = len(STATE_COLUMNS), len(RECORD_COLUMNS)
+    state = state_of(row[:num_state])
+    record_row = row[num_state : num_state + num_record]
+    if record_row[-1] is None:  # no version: the user has no row (the outer join's nulls)
+        return LimitRow(state, None, None)
+    record = user_record(record_row)
+    tier = None if record.tier is None else Policy(*row[num_state + num_record :])
+    return LimitRow(state, record, tier)
 
 
 # ---- tiers -------------------------------------------------------------------
@@ -163,101 +78,38 @@ def get_limit_row(conn: Connection, user: str) -> LimitRow:
 
 class TierRow(NamedTuple):
     name: str
-    rate: int | None
-    scope: Scope | None
+    policy: Policy
     description: str
     version: int
     num_users: int
-    enforcement: Enforcement | None = None
 
 
 _TIER_COLUMNS = (
     tiers.c.name,
     tiers.c.rate,
     tiers.c.scope,
+    tiers.c.enforcement,
     tiers.c.description,
     tiers.c.version,
     tiers.c.num_users,
-    tiers.c.enforcement,
 )
+
+
+def _tier_row(row: Any) -> TierRow:
+    name, rate, scope, enforcement, description, version, num_users = row
+    return TierRow(name, Policy(rate, scope, enforcement), description, version, num_users)
+
+
 _GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
-_ADD_TIER_USERS = (
-    update(tiers)
-    .where(tiers.c.name == bindparam("tier_name"))
-    .values(num_users=tiers.c.num_users + bindparam("delta"))
-)
 
 
 def get_tier(conn: Connection, name: str) -> TierRow | None:
     row = conn.execute(_GET_TIER, {"name": name}).one_or_none()
-    return None if row is None else TierRow(*row)
+    return None if row is None else _tier_row(row)
 
 
 def list_tiers(conn: Connection) -> list[TierRow]:
-    return [TierRow(*r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
-
-
-def tier_limits(conn: Connection) -> dict[str, TierLimit]:
-    rows = conn.execute(select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement))
-    return {name: TierLimit(rate, scope, mode) for name, rate, scope, mode in rows}
-
-
-def insert_tier(
-    conn: Connection,
-    *,
-    name: str,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    description: str,
-    version: int,
-) -> None:
-    conn.execute(
-        insert(tiers).values(
-            name=name,
-            rate=rate,
-            scope=scope,
-            enforcement=enforcement,
-            description=description,
-            version=version,
-            num_users=0,
-            updated_at=datetime.now(UTC),
-        )
-    )
-
-
-def update_tier(
-    conn: Connection,
-    *,
-    name: str,
-    rate: int | None,
-    scope: Scope | None,
-    enforcement: Enforcement | None,
-    description: str,
-    version: int,
-) -> None:
-    conn.execute(
-        update(tiers)
-        .where(tiers.c.name == name)
-        .values(
-            rate=rate,
-            scope=scope,
-            enforcement=enforcement,
-            description=description,
-            version=version,
-            updated_at=datetime.now(UTC),
-        )
-    )
-
-
-def delete_tier(conn: Connection, name: str) -> None:
-    conn.execute(delete(tiers).where(tiers.c.name == name))
-
-
-def add_tier_users(conn: Connection, deltas: dict[str, int]) -> None:
-    params = [{"tier_name": name, "delta": delta} for name, delta in deltas.items() if delta]
-    if params:
-        conn.execute(_ADD_TIER_USERS, params)
+    return [_tier_row(r) for r in conn.execute(select(*_TIER_COLUMNS).order_by(tiers.c.name))]
 
 
 def tier_has_users(conn: Connection, name: str) -> bool:
@@ -267,126 +119,13 @@ def tier_has_users(conn: Connection, name: str) -> bool:
 
 # ---- users -------------------------------------------------------------------
 
-_RECORD_COLUMNS = (
-    user_limits.c.tier,
-    user_limits.c.rate,
-    user_limits.c.scope,
-    user_limits.c.version,
-    user_limits.c.enforcement,
-)
-_GET_USER = select(*_RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
-_INSERT_USER = insert(user_limits)
-_UPDATE_USER = (
-    update(user_limits)
-    .where(user_limits.c.user == bindparam("user_id"))
-    .values(
-        tier=bindparam("tier"),
-        rate=bindparam("rate"),
-        scope=bindparam("scope"),
-        enforcement=bindparam("enforcement"),
-        version=bindparam("version"),
-        updated_at=bindparam("updated_at"),
-    )
-)
-_DELETE_USER = delete(user_limits).where(user_limits.c.user == bindparam("user"))
-# Keeps IN (...) lists below SQLite's bound-parameter limit.
-_IN_CHUNK = 500
 
-
-def get_user(conn: Connection, user: str) -> UserRecord | None:
-    row = conn.execute(_GET_USER, {"user": user}).one_or_none()
-    return None if row is None else UserRecord(*row)
-
-
-def get_users(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
-    found: dict[str, UserRecord] = {}
-    for start in range(0, len(users), _IN_CHUNK):
-        chunk = users[start : start + _IN_CHUNK]
-        query = select(user_limits.c.user, *_RECORD_COLUMNS).where(user_limits.c.user.in_(chunk))
-        for user, *record in conn.execute(query):
-            found[user] = UserRecord(*record)
-    return found
-
-
-def records_of(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord]:
-    """The records of `users` (up to MAX_BULK_ITEMS ids) in one statement."""
-    if not users:
-        return {}
-    query = select(user_limits.c.user, *_RECORD_COLUMNS).where(
-        one_of(conn, user_limits.c.user, list(users))
-    )
-    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
-
-
-def user_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
+def all_records(conn: Connection, *, tier: str | None = None) -> dict[str, UserRecord]:
     """Every configured user's record (only those of `tier`, if given)."""
-    query = select(user_limits.c.user, *_RECORD_COLUMNS)
+    query = select(user_limits.c.user, *RECORD_COLUMNS)
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
-    return {user: UserRecord(*record) for user, *record in conn.execute(query)}
-
-
-def insert_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
-    _write_users(conn, _INSERT_USER, records, user_key="user")
-
-
-def update_users(conn: Connection, records: Iterable[tuple[str, UserRecord]]) -> None:
-    _write_users(conn, _UPDATE_USER, records, user_key="user_id")
-
-
-def _write_users(
-    conn: Connection, statement: Any, records: Iterable[tuple[str, UserRecord]], *, user_key: str
-) -> None:
-    """One executemany; `user_key` is the statement's parameter for the user id."""
-    now = datetime.now(UTC)
-    params = [
-        {
-            user_key: user,
-            "tier": r.tier,
-            "rate": r.rate,
-            "scope": r.scope,
-            "enforcement": r.enforcement,
-            "version": r.version,
-            "updated_at": now,
-        }
-        for user, r in records
-    ]
-    if params:
-        conn.execute(statement, params)
-
-
-def delete_user(conn: Connection, user: str) -> None:
-    conn.execute(_DELETE_USER, {"user": user})
-
-
-class AllUsers(NamedTuple):
-    """Every configured user, as a snapshot carries them."""
-
-    # user -> (tier, override rate)
-    records: dict[str, tuple[str | None, int | None]]
-    # user -> its own scope / enforcement (users that inherit are left out)
-    scopes: dict[str, Scope]
-    enforcements: dict[str, Enforcement]
-
-
-def all_users(conn: Connection) -> AllUsers:
-    columns = (
-        user_limits.c.user,
-        user_limits.c.tier,
-        user_limits.c.rate,
-        user_limits.c.scope,
-        user_limits.c.enforcement,
-    )
-    records: dict[str, tuple[str | None, int | None]] = {}
-    scopes: dict[str, Scope] = {}
-    enforcements: dict[str, Enforcement] = {}
-    for user, tier, rate, scope, enforcement in conn.execute(select(*columns)):
-        records[user] = (tier, rate)
-        if scope is not None:
-            scopes[user] = scope
-        if enforcement is not None:
-            enforcements[user] = enforcement
-    return AllUsers(records, scopes, enforcements)
+    return {user: user_record(record) for user, *record in conn.execute(query)}
 
 
 def prefix_upper_bound(prefix: str) -> str | None:
@@ -442,7 +181,7 @@ def list_users(
     sort: str = "user",
 ) -> list[tuple[str, UserRecord]]:
     query = _filter(
-        select(user_limits.c.user, *_RECORD_COLUMNS), tier=tier, prefix=prefix, contains=contains
+        select(user_limits.c.user, *RECORD_COLUMNS), tier=tier, prefix=prefix, contains=contains
     )
     if after is not None:
         # Keyset paging: a seek into the index, as fast at user 900,000 as at the first.
@@ -452,7 +191,7 @@ def list_users(
     key = column.desc().nulls_last() if descending else column.asc().nulls_last()
     order = (key,) if column is user_limits.c.user else (key, user_limits.c.user)
     rows = conn.execute(query.order_by(*order).offset(offset).limit(limit))
-    return [(user, UserRecord(*record)) for user, *record in rows]
+    return [(user, user_record(record)) for user, *record in rows]
 
 
 def count_users(
@@ -462,23 +201,3 @@ def count_users(
         select(func.count()).select_from(user_limits), tier=tier, prefix=prefix, contains=contains
     )
     return int(conn.execute(query).scalar() or 0)
-
-
-# ---- change log ----------------------------------------------------
-
-_INSERT_CHANGE = insert(config_changes)
-
-
-def add_change(conn: Connection, *, version: int, ops: list[p.Op]) -> None:
-    """The change-log row of ``version``: its ops as the wire protocol's JSON."""
-    rows = msgspec.to_builtins(ops)
-    conn.execute(_INSERT_CHANGE, {"version": version, "ops": rows, "at": datetime.now(UTC)})
-
-
-def changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    query = (
-        select(config_changes.c.version, config_changes.c.ops)
-        .where(config_changes.c.version > version)
-        .order_by(config_changes.c.version)
-    )
-    return [(v, ops) for v, ops in conn.execute(query)]

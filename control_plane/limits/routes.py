@@ -13,7 +13,9 @@ from control_plane.auth import ReaderDep, WriterDep
 from control_plane.db import Service
 from control_plane.deps import DatabaseDep, FleetDep, UsageSourceDep
 from control_plane.errors import DomainError
-from control_plane.limits import csv_items, preview, service
+from control_plane.limits import csv_items, service
+from control_plane.limits.plans import BulkInput, UserItem
+from control_plane.limits.preview import Preview
 from control_plane.limits.schemas import (
     MAX_PREVIEW_ITEMS,
     BulkIn,
@@ -62,7 +64,7 @@ class DryRun:
         self._db = db
         self._items_limit = items_limit
 
-    async def preview(self, compute: Service[..., preview.Preview], **kw: Any) -> Response:
+    async def preview(self, compute: Service[..., Preview], **kw: Any) -> Response:
         """The preview `compute` makes in one read transaction, encoded as is: validating
         its up to 10,000 items again against ChangePreview (which documents it) would cost
         more than computing them."""
@@ -156,7 +158,7 @@ async def list_limits(
     )
 
 
-async def _bulk_body(request: Request) -> service.BulkInput:
+async def _bulk_body(request: Request) -> BulkInput:
     """The items of a JSON body (BulkIn), or of a CSV one (csv_items) with their lines."""
     body = await request.body()
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -166,18 +168,14 @@ async def _bulk_body(request: Request) -> service.BulkInput:
         except UnicodeDecodeError:
             raise DomainError("body: not valid UTF-8", field="body") from None
         parsed = csv_items.parse(text)
-        return service.BulkInput(parsed.items, parsed.lines, parsed.problems)
+        return BulkInput(parsed.items, parsed.lines, parsed.problems)
     try:
         bulk = BulkIn.model_validate_json(body)
     except ValidationError as e:
         raise RequestValidationError(
             [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
         ) from None
-    items = [
-        service.UserItem(i.user, i.output_tokens_per_second, i.tier, i.scope, i.enforcement)
-        for i in bulk.items
-    ]
-    return service.BulkInput(items)
+    return BulkInput([UserItem(i.user, i.tier, i.policy) for i in bulk.items])
 
 
 @router.post(
@@ -195,7 +193,7 @@ async def bulk_put_limits(
     bulk = await _bulk_body(request)
     kw: dict[str, Any] = {"items": bulk.items, "lines": bulk.lines, "problems": bulk.problems}
     if dry_run.wanted:
-        return await dry_run.preview(preview.bulk_put_limits, **kw)
+        return await dry_run.preview(service.bulk_put_limits.preview, **kw)
     change = await db.run(service.bulk_put_limits, actor=principal.name, **kw)
     return change.result
 
@@ -223,7 +221,7 @@ async def put_limit(
         "enforcement": body.enforcement,
     }
     if dry_run.wanted:
-        return await dry_run.preview(preview.put_limit, **kw)
+        return await dry_run.preview(service.put_limit.preview, **kw)
     change = await db.run(service.put_limit, actor=principal.name, **kw)
     return change.result
 
@@ -243,7 +241,7 @@ async def patch_limit(
 ) -> LimitOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
     if dry_run.wanted:
-        return await dry_run.preview(preview.patch_limit, user=user, changes=changes)
+        return await dry_run.preview(service.patch_limit.preview, user=user, changes=changes)
     change = await db.run(service.patch_limit, actor=principal.name, user=user, changes=changes)
     return change.result
 
@@ -256,7 +254,7 @@ async def delete_limit(
     dry_run: DryRunDep,
 ) -> Response:
     if dry_run.wanted:
-        return await dry_run.preview(preview.delete_limit, user=user)
+        return await dry_run.preview(service.delete_limit.preview, user=user)
     await db.run(service.delete_limit, actor=principal.name, user=user)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -284,12 +282,11 @@ async def put_tier(
         "rate": body.output_tokens_per_second,
         "scope": body.scope,
         "enforcement": body.enforcement,
+        "description": body.description,
     }
     if dry_run.wanted:
-        return await dry_run.preview(preview.put_tier, **kw)
-    change = await db.run(
-        service.put_tier, actor=principal.name, description=body.description, **kw
-    )
+        return await dry_run.preview(service.put_tier.preview, **kw)
+    change = await db.run(service.put_tier, actor=principal.name, **kw)
     return change.result
 
 
@@ -309,7 +306,7 @@ async def patch_tier(
 ) -> TierOut | Response:
     changes = body.model_dump(include=body.model_fields_set)
     if dry_run.wanted:
-        return await dry_run.preview(preview.patch_tier, name=name, changes=changes)
+        return await dry_run.preview(service.patch_tier.preview, name=name, changes=changes)
     change = await db.run(service.patch_tier, actor=principal.name, name=name, changes=changes)
     return change.result
 
@@ -326,7 +323,7 @@ async def delete_tier(
     dry_run: DryRunDep,
 ) -> Response:
     if dry_run.wanted:
-        return await dry_run.preview(preview.delete_tier, name=name)
+        return await dry_run.preview(service.delete_tier.preview, name=name)
     await db.run(service.delete_tier, actor=principal.name, name=name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -349,6 +346,6 @@ async def put_default(
         "enforcement": body.enforcement,
     }
     if dry_run.wanted:
-        return await dry_run.preview(preview.put_default, **kw)
+        return await dry_run.preview(service.put_default.preview, **kw)
     change = await db.run(service.put_default, actor=principal.name, **kw)
     return change.result

@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 from control_plane.schemas import Body
 from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
-from output_rate_core.limits import Enforcement, Scope, Source
+from output_rate_core.limits import Source
+from output_rate_core.policy import Enforcement, Policy, Scope
 from output_rate_core.rates import MAX_RATE, MIN_RATE
 
 # POST /limits:bulk: items per request.
@@ -46,6 +47,11 @@ class LimitIn(Body):
     tier: TierName | None = None
     scope: OwnScope = None
     enforcement: OwnEnforcement = None
+
+    @property
+    def policy(self) -> Policy:
+        """The user's own policy, as the body gives it."""
+        return Policy(self.output_tokens_per_second, self.scope, self.enforcement)
 
 
 class BulkItem(LimitIn):

@@ -1,64 +1,44 @@
-"""The rules of the limit model. Every write bumps the config version once, in the same
-transaction as the change, its audit entry and its change-log row; a write that changes
-nothing writes nothing. A write of the configuration returns a `ConfigChange`: its view
-and the version it made.
+"""The rules of users' limits, tiers and the default limit: the reads, and the eight
+writes, each made of its plan (control_plane/limits/plans.py). A write commits its plan's
+ops through the config log (control_plane/config/): the version bumped once, in the same
+transaction as the tables written from the ops, its audit entry and its change-log row;
+a write that changes nothing writes nothing. It returns a `ConfigChange`: its answer and
+the version it made. Its `preview` (?dry_run=true) diffs the same plan instead.
 
 Each function takes the Connection of one transaction (control_plane.db.Database runs
 it where its `@service` policy says); the caller commits."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection
 
+from control_plane import db
 from control_plane.audit import service as audit
-from control_plane.audit.targets import (
-    DEFAULT_TARGET,
-    AuditTarget,
-    bulk_target,
-    tier_target,
-    user_target,
-)
-from control_plane.db import ConfigChange, service
+from control_plane.config import service as config
+from control_plane.db import ConfigChange, Service, service
 from control_plane.deps import FleetView, UsageSource
-from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
+from control_plane.errors import InvalidInput
+from control_plane.limits import plans
 from control_plane.limits import repository as repo
-from control_plane.limits.repository import State, TierLimit, UserRecord
+from control_plane.limits.plans import Plan
+from control_plane.limits.preview import Preview, diff
 from control_plane.limits.schemas import (
-    MAX_BULK_ITEMS,
     BulkOut,
     DefaultOut,
     LimitDetail,
     LimitOut,
     LimitPage,
-    ShareOut,
     TierList,
     TierOut,
 )
-from output_rate_core import protocol as p
-from output_rate_core.limits import (
-    FLEET,
-    Enforcement,
-    Scope,
-    effective_enforcement,
-    effective_rate,
-    effective_scope,
-)
+from control_plane.limits.views import default_view, limit_view, shares_view, tier_view
+from output_rate_core.limits import LimitModel
 
-
-@dataclass(frozen=True)
-class UserItem:
-    """One user's record as a write gives it (None: unset, inherit)."""
-
-    user: str
-    rate: int | None
-    tier: str | None
-    scope: Scope | None = None
-    enforcement: Enforcement | None = None
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,99 +52,15 @@ class UserCounts:
     num_users_per_tier: dict[str, int]
 
 
-# ---- views -----------------------------------------------------------------
-
-
-def limit_view(
-    *, user: str, record: UserRecord | None, tier: TierLimit | None, state: State
-) -> LimitOut:
-    """`tier` is the limit of the record's tier (ignored without one)."""
-    tier_name = record.tier if record else None
-    override = record.rate if record else None
-    own_scope = record.scope if record else None
-    own_enforcement = record.enforcement if record else None
-    tier_rate, tier_scope, tier_enforcement = tier if tier is not None else (None, None, None)
-    effective, source = effective_rate(override, tier_name, tier_rate, state.default_rate)
-    return LimitOut(
-        user=user,
-        tier=tier_name,
-        output_tokens_per_second=override,
-        effective_output_tokens_per_second=effective,
-        source=source,
-        scope=own_scope,
-        effective_scope=effective_scope(own_scope, tier_name, tier_scope, state.default_scope),
-        enforcement=own_enforcement,
-        effective_enforcement=effective_enforcement(
-            own_enforcement, tier_name, tier_enforcement, state.default_enforcement
-        ),
-        # The version of the user's last change (the current one for users
-        # nobody configured): once engines applied it, this view is enforced.
-        version=record.version if record else state.version,
-    )
-
-
-def shares_view(view: LimitOut, fleet: FleetView) -> list[ShareOut]:
-    """The shares engines hold of a fleet-scoped limit, by engine id (none otherwise:
-    an engine-scoped or unlimited user is not split)."""
-    if view.effective_scope != FLEET or view.effective_output_tokens_per_second is None:
-        return []
-    shares = sorted(fleet.shares_of(view.user).items())
-    return [ShareOut(engine_id=e, output_tokens_per_second=m / p.MILLI) for e, m in shares]
-
-
-def tier_view(tier: repo.TierRow) -> TierOut:
-    return TierOut(
-        name=tier.name,
-        output_tokens_per_second=tier.rate,
-        scope=tier.scope,
-        enforcement=tier.enforcement,
-        description=tier.description,
-        num_users=tier.num_users,
-        version=tier.version,
-    )
-
-
-def record_values(record: UserRecord | None) -> dict[str, Any] | None:
-    """A user's record as the audit log, the merge patch and a preview compare it (its
-    version aside)."""
-    if record is None:
-        return None
-    return {
-        "tier": record.tier,
-        "output_tokens_per_second": record.rate,
-        "scope": record.scope,
-        "enforcement": record.enforcement,
-    }
-
-
-def _item_record(item: UserItem) -> dict[str, Any]:
-    return {
-        "tier": item.tier,
-        "output_tokens_per_second": item.rate,
-        "scope": item.scope,
-        "enforcement": item.enforcement,
-    }
-
-
-def _tier_record(tier: repo.TierRow | None) -> dict[str, Any] | None:
-    """A tier as the audit log sees it."""
-    if tier is None:
-        return None
-    return {
-        "output_tokens_per_second": tier.rate,
-        "scope": tier.scope,
-        "enforcement": tier.enforcement,
-        "description": tier.description,
-    }
-
-
 # ---- reads -----------------------------------------------------------------
 
 
 @service("read")
 def get_limit(conn: Connection, *, user: str) -> LimitOut:
     row = repo.get_limit_row(conn, user)
-    return limit_view(user=user, record=row.record, tier=row.tier, state=row.state)
+    tier = row.record.tier if row.record else None
+    tiers = {tier: row.tier} if tier is not None and row.tier is not None else {}
+    return limit_view(user, row.record, LimitModel(row.state.default, tiers), row.state.version)
 
 
 @service("read")
@@ -195,7 +91,7 @@ def list_limits(
 ) -> LimitPage:
     """A page of configured users in user-id order. `total` counts every user that
     matches `tier` and `prefix` (the cursor `after` and `offset` only move the page)."""
-    state = repo.get_config(conn)
+    state = config.state(conn)
     if after is not None and sort != "user":
         raise InvalidInput(
             "after: only with sort=user (use offset with other sorts)", field="after"
@@ -218,48 +114,16 @@ def list_limits(
         total = tier_row.num_users if tier_row else 0
     else:
         total = state.num_users
-    tier_limits = repo.tier_limits(conn)
-    items = [
-        limit_view(
-            user=user,
-            record=record,
-            tier=tier_limits.get(record.tier) if record.tier else None,
-            state=state,
-        )
-        for user, record in rows
-    ]
+    model = LimitModel(state.default, config.tier_policies(conn))
+    items = [limit_view(user, record, model, state.version) for user, record in rows]
     return LimitPage(items=items, total=total)
 
 
-def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
-    """Each user's effective rate (None: unlimited)."""
-    state = repo.get_config(conn)
-    tier_limits = repo.tier_limits(conn)
-    records = repo.get_users(conn, users)
-    result: dict[str, int | None] = {}
-    for user in users:
-        record = records.get(user)
-        if record is None:
-            result[user] = state.default_rate
-        else:
-            tier = tier_limits.get(record.tier) if record.tier else None
-            tier_rate = tier.rate if tier else None
-            result[user] = effective_rate(record.rate, record.tier, tier_rate, state.default_rate)[
-                0
-            ]
-    return result
-
-
-def tiers_of(conn: Connection, users: Sequence[str]) -> dict[str, str | None]:
-    """Each configured user's tier (None: no tier); unconfigured users are left out."""
-    return {user: record.tier for user, record in repo.get_users(conn, users).items()}
-
-
 def user_counts(conn: Connection) -> UserCounts:
-    state = repo.get_config(conn)
+    state = config.state(conn)
     return UserCounts(
         version=state.version,
-        default_rate=state.default_rate,
+        default_rate=state.default.rate,
         num_users=state.num_users,
         num_users_per_tier={tier.name: tier.num_users for tier in repo.list_tiers(conn)},
     )
@@ -272,528 +136,64 @@ def list_tiers(conn: Connection) -> TierList:
 
 @service("read")
 def get_tier(conn: Connection, *, name: str) -> TierOut:
-    return tier_view(existing_tier(conn, name))
+    return tier_view(plans.existing_tier(conn, name))
 
 
 @service("read")
 def get_default(conn: Connection) -> DefaultOut:
-    return _default_view(repo.get_config(conn))
-
-
-def _default_view(state: State) -> DefaultOut:
-    return DefaultOut(
-        output_tokens_per_second=state.default_rate,
-        scope=state.default_scope,
-        enforcement=state.default_enforcement,
-        version=state.version,
-    )
-
-
-@service("read")
-def current_version(conn: Connection) -> int:
-    return repo.get_config(conn).version
-
-
-@service("read")
-def load_snapshot(conn: Connection) -> p.Snapshot:
-    """Version, default, tiers and users as of one instant, as engines receive them.
-
-    PostgreSQL runs the reads in one REPEATABLE READ transaction (so a concurrent write
-    is wholly in the snapshot or wholly after its version); one SQLite read transaction
-    already sees a single snapshot. Give it a connection whose transaction has not begun.
-    """
-    if not conn.in_transaction() and conn.dialect.name == "postgresql":
-        conn.execution_options(isolation_level="REPEATABLE READ")
-    state = repo.get_config(conn)
-    tier_limits = repo.tier_limits(conn)
-    users = repo.all_users(conn)
-    return p.Snapshot(
-        version=state.version,
-        default_rate=state.default_rate,
-        tiers={name: tier.rate for name, tier in tier_limits.items()},
-        users=users.records,
-        default_scope=state.default_scope,
-        tier_scopes={name: t.scope for name, t in tier_limits.items() if t.scope is not None},
-        user_scopes=users.scopes,
-        default_enforcement=state.default_enforcement,
-        tier_enforcements={
-            name: t.enforcement for name, t in tier_limits.items() if t.enforcement is not None
-        },
-        user_enforcements=users.enforcements,
-    )
-
-
-@service("read")
-def load_changes_since(conn: Connection, version: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    return repo.changes_since(conn, version)
+    state = config.state(conn)
+    return default_view(state.default, state.version)
 
 
 # ---- writes ----------------------------------------------------------------
 
 
-def _record(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    target: AuditTarget,
-    before: Any,
-    after: Any,
-    ops: list[p.Op],
-    new_users: int = 0,
-) -> int:
-    """The new version: bumped once, with its change-log row and its audit entry."""
-    version = state.version + 1
-    repo.bump_config(conn, version=version, new_users=new_users)
-    repo.add_change(conn, version=version, ops=ops)
-    audit.record(
-        conn,
-        version=version,
-        actor=actor,
-        action=action,
-        target=target,
-        before=before,
-        after=after,
-    )
-    return version
+class LimitWrite(Service[..., ConfigChange[T]], Generic[T]):
+    """One limit write, made of its plan: `plan(conn, state, **request)` says what the
+    write would do, or raises its errors. Run where `write` says, it takes the writers'
+    lock, plans, and commits the plan's ops as the audit action `action`; its `preview`,
+    run where `preview` says, plans at the version it reads and answers the diff."""
 
+    def __init__(
+        self,
+        plan: Callable[..., Plan[T]],
+        *,
+        action: str,
+        write: db.Policy = "write",
+        preview: db.Policy = "read",
+    ) -> None:
+        super().__init__(self._commit, write)
+        self.plan = plan
+        self.action = action
+        self.preview: Service[..., Preview] = Service(self._preview, preview)
 
-def lock_config(conn: Connection) -> State:
-    """Take the writers' lock, as the first statement of a write of the configuration
-    (another domain's too: API keys), so that writers queue before they read what they
-    change; the state to pass to `record_change`."""
-    return repo.lock_config(conn)
-
-
-def record_change(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    target: AuditTarget,
-    before: Any,
-    after: Any,
-    ops: list[p.Op],
-) -> int:
-    """Another domain's config write (API keys): one new version after `state`, with its
-    change-log row and its audit entry, in the caller's transaction."""
-    return _record(
-        conn, state, actor=actor, action=action, target=target, before=before, after=after, ops=ops
-    )
-
-
-def tier_limit_of(conn: Connection, tier: str | None, *, field: str = "tier") -> TierLimit | None:
-    """The limit of `tier` (None for no tier); an unknown tier is bad input."""
-    if tier is None:
-        return None
-    row = repo.get_tier(conn, tier)
-    if row is None:
-        raise InvalidInput(f"{field}: unknown tier {tier!r}", field=field)
-    return TierLimit(row.rate, row.scope, row.enforcement)
-
-
-def _tier_deltas(changes: Iterable[tuple[UserRecord | None, str | None]]) -> dict[str, int]:
-    """tier -> change in its user count, for (old record, new tier) pairs."""
-    deltas: Counter[str] = Counter()
-    for old, new_tier in changes:
-        if old is not None and old.tier is not None:
-            deltas[old.tier] -= 1
-        if new_tier is not None:
-            deltas[new_tier] += 1
-    return dict(deltas)
-
-
-@service("write")
-def put_limit(
-    conn: Connection,
-    *,
-    actor: str,
-    user: str,
-    rate: int | None,
-    tier: str | None,
-    scope: Scope | None = None,
-    enforcement: Enforcement | None = None,
-) -> ConfigChange[LimitOut]:
-    state = repo.lock_config(conn)
-    tier_limit = tier_limit_of(conn, tier)
-    record = repo.get_user(conn, user)
-    return _set_user(
-        conn,
-        state,
-        actor=actor,
-        action="put_limit",
-        item=UserItem(user, rate, tier, scope, enforcement),
-        record=record,
-        tier_limit=tier_limit,
-    )
-
-
-@service("write")
-def patch_limit(
-    conn: Connection, *, actor: str, user: str, changes: dict[str, Any]
-) -> ConfigChange[LimitOut]:
-    """JSON merge patch of a user's record: only the keys in `changes`
-    ("output_tokens_per_second", "tier", "scope", "enforcement") change; the others keep
-    their value.
-    A patch that changes nothing writes nothing (an unknown user stays unconfigured)."""
-    state = repo.lock_config(conn)
-    record = repo.get_user(conn, user)
-    item = patched_item(record, user, changes)
-    tier_limit = tier_limit_of(conn, item.tier)
-    if record is None and _item_record(item) == _item_record(UserItem(user, None, None)):
-        return ConfigChange(limit_view(user=user, record=None, tier=None, state=state), None)
-    return _set_user(
-        conn,
-        state,
-        actor=actor,
-        action="patch_limit",
-        item=item,
-        record=record,
-        tier_limit=tier_limit,
-    )
-
-
-def patched_item(record: UserRecord | None, user: str, changes: dict[str, Any]) -> UserItem:
-    """The record a merge patch of `changes` makes of `record` (None: not configured)."""
-    current = record_values(record) or _item_record(UserItem(user, None, None))
-    merged = {**current, **changes}
-    return UserItem(
-        user,
-        merged["output_tokens_per_second"],
-        merged["tier"],
-        merged["scope"],
-        merged["enforcement"],
-    )
-
-
-def _set_user(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    item: UserItem,
-    record: UserRecord | None,
-    tier_limit: TierLimit | None,
-) -> ConfigChange[LimitOut]:
-    """Write the user's new record (if it differs) as one version; return its view."""
-    user = item.user
-    before = record_values(record)
-    after = _item_record(item)
-    version = None
-    if before != after:
-        version = _record(
-            conn,
-            state,
-            actor=actor,
-            action=action,
-            target=user_target(user),
-            before=before,
-            after=after,
-            ops=[_set_user_op(item)],
-            new_users=0 if record else 1,
+    def _commit(self, conn: Connection, /, *, actor: str, **request: Any) -> ConfigChange[T]:
+        state = config.lock(conn)
+        plan = self.plan(conn, state, **request)
+        if not plan.ops:
+            return ConfigChange(plan.answer, None)
+        entry = audit.Entry(actor, self.action, plan.target, plan.was, plan.becomes)
+        version = config.commit(
+            conn, state, plan.ops, entry, model=plan.before, descriptions=plan.descriptions
         )
-        new_record = UserRecord(item.tier, item.rate, item.scope, version, item.enforcement)
-        if record is None:
-            repo.insert_users(conn, [(user, new_record)])
-        else:
-            repo.update_users(conn, [(user, new_record)])
-        repo.add_tier_users(conn, _tier_deltas([(record, item.tier)]))
-        record, state = new_record, state._replace(version=version)
-    return ConfigChange(limit_view(user=user, record=record, tier=tier_limit, state=state), version)
+        return ConfigChange(plan.answer, version)
+
+    def _preview(self, conn: Connection, /, *, items_limit: int, **request: Any) -> Preview:
+        state = config.state(conn)
+        return diff(conn, state.version, self.plan(conn, state, **request), items_limit)
 
 
-def _set_user_op(item: UserItem) -> p.SetUser:
-    return p.SetUser(
-        user=item.user,
-        tier=item.tier,
-        rate=item.rate,
-        scope=item.scope,
-        enforcement=item.enforcement,
-    )
-
-
-@service("write")
-def delete_limit(conn: Connection, *, actor: str, user: str) -> ConfigChange[None]:
-    state = repo.lock_config(conn)
-    record = repo.get_user(conn, user)
-    if record is None:
-        return ConfigChange(None, None)
-    version = _record(
-        conn,
-        state,
-        actor=actor,
-        action="delete_limit",
-        target=user_target(user),
-        before=record_values(record),
-        after=None,
-        ops=[p.DeleteUser(user=user)],
-        new_users=-1,
-    )
-    repo.delete_user(conn, user)
-    repo.add_tier_users(conn, _tier_deltas([(record, None)]))
-    return ConfigChange(None, version)
-
-
-@dataclass(frozen=True)
-class BulkInput:
-    """The records of a bulk write, as a JSON body (`lines` None) or a CSV body gave them:
-    `lines` then holds each item's line and `problems` the lines that were not items."""
-
-    items: Sequence[UserItem]
-    lines: Sequence[int] | None = None
-    problems: Sequence[LineProblem] = ()
-
-
-def check_bulk(bulk: BulkInput, known_tiers: Container[str]) -> None:
-    """Refuse a bulk write over MAX_BULK_ITEMS, naming a user twice or an unknown tier:
-    a JSON body by its first bad item (`items.3.tier`), a CSV body by all its bad lines."""
-    items, lines = bulk.items, bulk.lines
-    if len(items) > MAX_BULK_ITEMS:
-        raise InvalidInput(f"items: at most {MAX_BULK_ITEMS} per request", field="items")
-
-    def where(index: int) -> str:
-        return f"items.{index}" if lines is None else f"line {lines[index]}"
-
-    problems: list[tuple[int, str, str]] = []
-    first_index: dict[str, int] = {}
-    for index, item in enumerate(items):
-        if item.user in first_index:
-            seen = where(first_index[item.user])
-            problems.append((index, "user", f"user {item.user!r} already appears at {seen}"))
-        else:
-            first_index[item.user] = index
-    for index, item in enumerate(items):
-        if item.tier is not None and item.tier not in known_tiers:
-            problems.append((index, "tier", f"unknown tier {item.tier!r}"))
-    if lines is None:
-        if problems:
-            index, field, reason = problems[0]
-            raise InvalidInput(f"items.{index}.{field}: {reason}", field=f"items.{index}.{field}")
-        return
-    found = [LineProblem(lines[i], field, reason) for i, field, reason in problems]
-    if found or bulk.problems:
-        raise InvalidLines([*bulk.problems, *found])
-
-
-@service("write_batch")
-def bulk_put_limits(
-    conn: Connection,
-    *,
-    actor: str,
-    items: Sequence[UserItem],
-    lines: Sequence[int] | None = None,
-    problems: Sequence[LineProblem] = (),
-) -> ConfigChange[BulkOut]:
-    """Apply up to MAX_BULK_ITEMS user records as one version (`lines` and `problems`:
-    see BulkInput)."""
-    state = repo.lock_config(conn)
-    check_bulk(BulkInput(items, lines, problems), repo.tier_limits(conn))
-    users = [item.user for item in items]
-    existing = repo.get_users(conn, users)
-    changed = [i for i in items if record_values(existing.get(i.user)) != _item_record(i)]
-    if not changed:
-        return ConfigChange(BulkOut(version=state.version, num_changed=0), None)
-    num_new = sum(1 for i in changed if i.user not in existing)
-    version = _record(
-        conn,
-        state,
-        actor=actor,
-        action="bulk_put_limits",
-        target=bulk_target(len(changed)),
-        # One entry for one version, with every changed user's record before and after.
-        before={i.user: record_values(existing.get(i.user)) for i in changed},
-        after={i.user: _item_record(i) for i in changed},
-        ops=[_set_user_op(i) for i in changed],
-        new_users=num_new,
-    )
-    records = [
-        (i.user, UserRecord(i.tier, i.rate, i.scope, version, i.enforcement)) for i in changed
-    ]
-    repo.insert_users(conn, [(u, r) for u, r in records if u not in existing])
-    repo.update_users(conn, [(u, r) for u, r in records if u in existing])
-    repo.add_tier_users(conn, _tier_deltas((existing.get(i.user), i.tier) for i in changed))
-    return ConfigChange(BulkOut(version=version, num_changed=len(changed)), version)
-
-
-@service("write")
-def put_tier(
-    conn: Connection,
-    *,
-    actor: str,
-    name: str,
-    rate: int | None,
-    description: str | None,
-    scope: Scope | None = None,
-    enforcement: Enforcement | None = None,
-) -> ConfigChange[TierOut]:
-    """Set a tier's rate, scope and enforcement (None: inherit the default's); a
-    description of None keeps the one it had."""
-    state = repo.lock_config(conn)
-    tier = repo.get_tier(conn, name)
-    new_description = description if description is not None else (tier.description if tier else "")
-    return _set_tier(
-        conn,
-        state,
-        actor=actor,
-        action="put_tier",
-        name=name,
-        tier=tier,
-        limit=TierLimit(rate, scope, enforcement),
-        description=new_description,
-    )
-
-
-@service("write")
-def patch_tier(
-    conn: Connection, *, actor: str, name: str, changes: dict[str, Any]
-) -> ConfigChange[TierOut]:
-    """JSON merge patch of an existing tier: only the keys in `changes`
-    ("output_tokens_per_second", "scope", "enforcement", "description") change. A
-    description of null is
-    empty. An unknown tier is 404: a patch never creates one (its rate would be a guess)."""
-    state = repo.lock_config(conn)
-    tier = existing_tier(conn, name)
-    limit = patched_tier_limit(tier, changes)
-    description = changes.get("description", tier.description)
-    return _set_tier(
-        conn,
-        state,
-        actor=actor,
-        action="patch_tier",
-        name=name,
-        tier=tier,
-        limit=limit,
-        description=description if description is not None else "",
-    )
-
-
-def existing_tier(conn: Connection, name: str) -> repo.TierRow:
-    tier = repo.get_tier(conn, name)
-    if tier is None:
-        raise NotFound(f"tier {name!r} does not exist", field="name")
-    return tier
-
-
-def patched_tier_limit(tier: repo.TierRow, changes: dict[str, Any]) -> TierLimit:
-    """The limit a merge patch of `changes` gives `tier`."""
-    return TierLimit(
-        changes.get("output_tokens_per_second", tier.rate),
-        changes.get("scope", tier.scope),
-        changes.get("enforcement", tier.enforcement),
-    )
-
-
-def _set_tier(
-    conn: Connection,
-    state: State,
-    *,
-    actor: str,
-    action: str,
-    name: str,
-    tier: repo.TierRow | None,
-    limit: TierLimit,
-    description: str,
-) -> ConfigChange[TierOut]:
-    """Write the tier's new rate, scope, enforcement and description (if they differ) as
-    one version."""
-    rate, scope, enforcement = limit
-    new_tier = repo.TierRow(
-        name,
-        rate,
-        scope,
-        description,
-        version=0,
-        num_users=tier.num_users if tier else 0,
-        enforcement=enforcement,
-    )
-    before = _tier_record(tier)
-    if before == _tier_record(new_tier):
-        assert tier is not None
-        return ConfigChange(tier_view(tier), None)
-    version = _record(
-        conn,
-        state,
-        actor=actor,
-        action=action,
-        target=tier_target(name),
-        before=before,
-        after=_tier_record(new_tier),
-        ops=[p.SetTier(name=name, rate=rate, scope=scope, enforcement=enforcement)],
-    )
-    write = repo.insert_tier if tier is None else repo.update_tier
-    write(
-        conn,
-        name=name,
-        rate=rate,
-        scope=scope,
-        enforcement=enforcement,
-        description=description,
-        version=version,
-    )
-    return ConfigChange(tier_view(new_tier._replace(version=version)), version)
-
-
-def deletable_tier(conn: Connection, name: str) -> repo.TierRow:
-    """The tier `name`; unknown: 404; with users assigned: 409."""
-    tier = existing_tier(conn, name)
-    # The EXISTS (one index probe) guards against the counter ever drifting.
-    if tier.num_users or repo.tier_has_users(conn, name):
-        raise Conflict(f"tier {name!r} still has {tier.num_users} users assigned", field="name")
-    return tier
-
-
-@service("write")
-def delete_tier(conn: Connection, *, actor: str, name: str) -> ConfigChange[None]:
-    state = repo.lock_config(conn)
-    tier = deletable_tier(conn, name)
-    version = _record(
-        conn,
-        state,
-        actor=actor,
-        action="delete_tier",
-        target=tier_target(name),
-        before=_tier_record(tier),
-        after=None,
-        ops=[p.DeleteTier(name=name)],
-    )
-    repo.delete_tier(conn, name)
-    return ConfigChange(None, version)
-
-
-@service("write")
-def put_default(
-    conn: Connection,
-    *,
-    actor: str,
-    rate: int | None,
-    scope: Scope | None = None,
-    enforcement: Enforcement | None = None,
-) -> ConfigChange[DefaultOut]:
-    """Replace the default rate, scope (None: "fleet") and enforcement (None: "enforce")."""
-    state = repo.lock_config(conn)
-    before = {
-        "output_tokens_per_second": state.default_rate,
-        "scope": state.default_scope,
-        "enforcement": state.default_enforcement,
-    }
-    after = {"output_tokens_per_second": rate, "scope": scope, "enforcement": enforcement}
-    if before == after:
-        return ConfigChange(_default_view(state), None)
-    version = _record(
-        conn,
-        state,
-        actor=actor,
-        action="put_default",
-        target=DEFAULT_TARGET,
-        before=before,
-        after=after,
-        ops=[p.SetDefault(rate=rate, scope=scope, enforcement=enforcement)],
-    )
-    repo.set_default(conn, rate, scope, enforcement)
-    new_state = state._replace(
-        version=version, default_rate=rate, default_scope=scope, default_enforcement=enforcement
-    )
-    return ConfigChange(_default_view(new_state), version)
+put_limit: LimitWrite[LimitOut] = LimitWrite(plans.put_limit, action="put_limit")
+patch_limit: LimitWrite[LimitOut] = LimitWrite(plans.patch_limit, action="patch_limit")
+delete_limit: LimitWrite[None] = LimitWrite(plans.delete_limit, action="delete_limit")
+# Up to 10,000 users: on the writer thread, and its preview off the event loop.
+bulk_put_limits: LimitWrite[BulkOut] = LimitWrite(
+    plans.bulk_put_limits, action="bulk_put_limits", write="write_batch", preview="scan"
+)
+# A tier's or the default's preview reads the users it moves: as many as there are.
+put_tier: LimitWrite[TierOut] = LimitWrite(plans.put_tier, action="put_tier", preview="scan")
+patch_tier: LimitWrite[TierOut] = LimitWrite(plans.patch_tier, action="patch_tier", preview="scan")
+delete_tier: LimitWrite[None] = LimitWrite(plans.delete_tier, action="delete_tier")
+put_default: LimitWrite[DefaultOut] = LimitWrite(
+    plans.put_default, action="put_default", preview="scan"
+)

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from control_plane.config.follower import Catchup
 from control_plane.fencing import Term
 from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.push.drops import DropLog
-from control_plane.push.log_reader import LogReader, ModelRead, TermStart
+from control_plane.push.log_reader import LogReader, TermStart
 from control_plane.push.outbox import Outbox
 from control_plane.push.peers import Peer, PeerTable
 from control_plane.replicas.relay import DOWN, FleetRelay
@@ -211,7 +212,7 @@ class FleetLeadership:
         stopped_at = max(term.predecessor_ended_at, self._last_shares_at)
         fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s))
         fleet.await_engines(start.live)
-        self._refresh(fleet, ModelRead(None, [], start.snapshot))
+        self._refresh(fleet, Catchup(None, snapshot=start.snapshot))
         self.fleet = fleet
         self._fleet_token = token
         self._home_of.clear()
@@ -239,7 +240,7 @@ class FleetLeadership:
             self._model_version, partial(self._model_read, fleet), self._model_not_read
         )
 
-    def _model_read(self, fleet: FleetCoordinator, read: ModelRead) -> None:
+    def _model_read(self, fleet: FleetCoordinator, read: Catchup) -> None:
         self._model_reading = False
         if fleet is not self.fleet:
             return  # its term ended while the read was under way
@@ -249,13 +250,8 @@ class FleetLeadership:
     def _model_not_read(self) -> None:
         self._model_reading = False  # tried again at the next turn
 
-    def _refresh(self, fleet: FleetCoordinator, read: ModelRead) -> None:
-        def snapshot() -> p.Snapshot:
-            # The coordinator asks for one only where the read brought one.
-            assert read.snapshot is not None
-            return read.snapshot
-
-        fleet.refresh(snapshot, lambda version: read.changes)
+    def _refresh(self, fleet: FleetCoordinator, read: Catchup) -> None:
+        fleet.catch_up(read)
         self._model_version = read.version
 
     def _send_shares(self, frames: list[tuple[str, p.Shares]]) -> None:

@@ -23,10 +23,11 @@ from typing import Any
 
 import msgspec
 
+from control_plane.config import service as config
+from control_plane.config.follower import Catchup, StoredLog, read_catchup
 from control_plane.db import Database
 from control_plane.engines import service as engines
 from control_plane.keys import service as keys
-from control_plane.limits import service as limits
 from control_plane.push.worker import DatabaseWorker
 from output_rate_core import protocol as p
 
@@ -56,25 +57,6 @@ class LogRead:
     newest: int
     # version -> role -> its encoded delta
     deltas: dict[int, dict[p.Role, bytes]]
-
-
-@dataclass(frozen=True)
-class ModelRead:
-    """What brings a coordinator's limit model at version ``at`` to the newest: the
-    changes after ``at``, and a snapshot when they do not start right after it (the log
-    was pruned) or the model is empty (``at`` None), as FleetCoordinator.refresh takes
-    them."""
-
-    at: int | None
-    changes: list[Change]
-    snapshot: p.Snapshot | None
-
-    @property
-    def version(self) -> int | None:
-        """The version the model is at once refreshed with it."""
-        if self.snapshot is not None:
-            return self.snapshot.version
-        return self.changes[-1][0] if self.changes else self.at
 
 
 @dataclass(frozen=True)
@@ -113,7 +95,7 @@ class LogReader:
 
     def start(self) -> None:
         """Follow from the version now: connections start from a snapshot."""
-        self.newest = self._db.run_now(limits.current_version)
+        self.newest = self._db.run_now(config.current_version)
         self._worker.start()
 
     def close(self) -> None:
@@ -147,8 +129,9 @@ class LogReader:
         self._worker.submit(job, then, failed)
 
     def model(
-        self, at: int | None, then: Callable[[ModelRead], None], failed: Callable[[], None]
+        self, at: int | None, then: Callable[[Catchup], None], failed: Callable[[], None]
     ) -> None:
+        """``then(Catchup)``: what brings a coordinator's limit model at ``at`` up to date."""
         self._worker.submit(partial(self._model, at), then, failed)
 
     def term_start(
@@ -165,7 +148,7 @@ class LogReader:
         return self._read(self.newest)
 
     def _read(self, since: int) -> LogRead:
-        changes: list[Change] = self._db.run_now(limits.load_changes_since, since)
+        changes: list[Change] = self._db.run_now(config.changes_since, since)
         deltas: dict[int, dict[p.Role, bytes]] = {}
         for version, rows in changes:
             try:
@@ -188,27 +171,22 @@ class LogReader:
         if (
             cached is not None
             and cached[1] == num_engines
-            and cached[0] == self._db.run_now(limits.current_version)
+            and cached[0] == self._db.run_now(config.current_version)
         ):
             return cached[0], cached[2]
         if role == p.API_ROLE:
             snap = self._db.run_now(keys.load_key_snapshot)
         else:
             snap = msgspec.structs.replace(
-                self._db.run_now(limits.load_snapshot), num_engines=num_engines
+                self._db.run_now(config.load_snapshot), num_engines=num_engines
             )
         frame = p.encode(snap)
         self._snapshots[role] = (snap.version, num_engines, frame)
         return snap.version, frame
 
-    def _model(self, at: int | None) -> ModelRead:
-        changes: list[Change] = []
-        if at is not None:
-            changes = self._db.run_now(limits.load_changes_since, at)
-            if not changes or changes[0][0] == at + 1:
-                return ModelRead(at, changes, None)
-        return ModelRead(at, changes, self._db.run_now(limits.load_snapshot))
+    def _model(self, at: int | None) -> Catchup:
+        return read_catchup(StoredLog(self._db), at)
 
     def _term_start(self, within_s: float) -> TermStart:
         live: list[str] = self._db.run_now(engines.live_engine_ids, within_s=within_s)
-        return TermStart(live, self._db.run_now(limits.load_snapshot))
+        return TermStart(live, self._db.run_now(config.load_snapshot))

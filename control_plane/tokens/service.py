@@ -10,24 +10,19 @@ from sqlalchemy import Connection
 from control_plane.audit import service as audit
 from control_plane.audit.targets import token_target
 from control_plane.auth import hash_token
+from control_plane.config import service as config
 from control_plane.db import service
 from control_plane.errors import NotFound
-from control_plane.limits import service as limits
 from control_plane.tokens import repository as repo
 from control_plane.tokens.schemas import TokenCreated, TokenList, TokenOut
 
 
 def _audit_token(conn: Connection, *, actor: str, action: str, token_id: int, name: str) -> None:
     """Tokens are not limit configuration: audited, but the version does not move."""
-    audit.record(
-        conn,
-        version=limits.current_version(conn),
-        actor=actor,
-        action=action,
-        target=token_target(token_id),
-        before=None if action == "create_token" else {"name": name, "revoked": False},
-        after={"name": name, "revoked": action == "revoke_token"},
-    )
+    before = None if action == "create_token" else {"name": name, "revoked": False}
+    after = {"name": name, "revoked": action == "revoke_token"}
+    entry = audit.Entry(actor, action, token_target(token_id), before, after)
+    audit.record(conn, version=config.current_version(conn), entry=entry)
 
 
 @service("write")

@@ -15,9 +15,10 @@ FLUSH_CHUNK_ROWS rows with a pause between them, on the recorder's own thread, s
 large flush neither holds the database's write lock nor the event loop's GIL for long.
 
 The limit in force, per part of a minute: the recorder keeps the limit model (the one
-engines hold, output_rate_core.limits.LimitModel) at the change log's newest version,
-refreshed on its thread right after each local commit and at least every
-LIMITS_REFRESH_S (changes made on another replica). A report that arrives at t covers
+engines hold, output_rate_core.limits.LimitModel) at the change log's newest version (a
+log follower, control_plane/config/follower.py), refreshed on its thread right after
+each local commit and at least every LIMITS_REFRESH_S (changes made on another
+replica). A report that arrives at t covers
 [t - interval_s, t]; each user's part of it is weighted with the limit in force then,
 split at the moment the recorder learnt of a change (an engine applies a change at its
 next step, as quickly). Per user and minute it sums the seconds covered (the union over
@@ -35,16 +36,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
+from control_plane.config.follower import LogFollower, StoredLog
 from control_plane.db import Database
 from control_plane.fencing import NotLeader, Term, fleet_work_token
-from control_plane.limits import service as limits
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
 from output_rate_core import protocol as p
-from output_rate_core.limits import EVERYONE, FLEET, LimitModel, Scope
+from output_rate_core.limits import EVERYONE, FLEET, LimitModel
+from output_rate_core.policy import Scope
 
 logger = logging.getLogger("control_plane")
 
@@ -96,12 +97,12 @@ class UsageRecorder:
         self._lock = threading.Lock()
         # (user, minute start) -> the sums named by TOKENS ... LIMITED_TOKENS
         self._counts: dict[tuple[str, int], list[float]] = {}
-        # The limit model and its version (None: not loaded yet); per user whose limit
-        # changed in the last COVER_HORIZON_S, when the recorder learnt of it and
-        # what the user was held to before; per user, the end of the time its reports
-        # covered so far (on this clock).
-        self._model: LimitModel | None = None
-        self._model_version = -1
+        # The limit model (empty until first read: every user unlimited, fleet scope);
+        # per user whose limit changed in the last COVER_HORIZON_S, when the recorder
+        # learnt of it and what the user was held to before; per user, the end of the
+        # time its reports covered so far (on this clock).
+        self._log = StoredLog(db)
+        self._limits = LogFollower()
         self._changed: dict[str, tuple[float, Held]] = {}
         self._covered: dict[str, float] = {}
         self._refresh_lock = threading.Lock()
@@ -118,7 +119,7 @@ class UsageRecorder:
         self._thread: threading.Thread | None = None
 
     def add(self, report: p.Usage) -> None:
-        if self._model is None:  # not started (tests), or the database was down
+        if self._limits.version is None:  # not started (tests), or the database was down
             try:
                 self.refresh_limits()
             except Exception:  # counted below as under no known limit
@@ -150,7 +151,7 @@ class UsageRecorder:
         # at its bound, so a claimed tiny interval cannot make a huge rate.
         interval = max(report.interval_s, tokens / p.MAX_ENGINE_TOKENS_PER_S)
         start = now - interval
-        held: Held = (None, FLEET) if self._model is None else self._held(self._model, user)
+        held = self._held(self._limits.model, user)
         parts = [(start, now, held)]
         change = self._changed.get(user)
         if change is not None and start < change[0] < now:
@@ -177,39 +178,23 @@ class UsageRecorder:
         a change moved (of those reported lately) keep what held them before, from now.
         Any thread (the history thread calls it; tests call it after a change)."""
         with self._refresh_lock:
-            model = self._model
-            if model is not None:
-                changes = self._db.run_now(limits.load_changes_since, self._model_version)
-                if not changes:
-                    return
-                if changes[0][0] == self._model_version + 1:
-                    self._apply(changes)
-                    return
-            snapshot = self._db.run_now(limits.load_snapshot)
+            catchup = self._limits.read(self._log)
+            if catchup.up_to_date:
+                return
+            first = self._limits.version is None
             now = self._clock()
-            fresh = LimitModel.from_snapshot(snapshot)
             with self._lock:
-                if model is not None:  # the log was pruned past the model: compare all
-                    for user in self._covered:
-                        if self._held(model, user) != self._held(fresh, user):
-                            self._changed[user] = (now, self._held(model, user))
-                self._model, self._model_version = fresh, snapshot.version
+                model = self._limits.model
+                before = {} if first else {u: self._held(model, u) for u in self._covered}
+                active = set(before)
 
-    def _apply(self, changes: list[tuple[int, list[dict[str, Any]]]]) -> None:
-        model = self._model
-        assert model is not None
-        now = self._clock()
-        with self._lock:
-            before = {u: self._held(model, u) for u in self._covered}
-            active = set(before)
-            for version, rows in changes:
-                for op in p.ops_from_rows(rows):
-                    users = model.apply(op)
-                    moved = active if users is EVERYONE else users & active
-                    for user in moved:
+                def note(users: set[str] | None) -> None:
+                    model = self._limits.model
+                    for user in active if users is EVERYONE else users & active:
                         if self._held(model, user) != before[user]:
                             self._changed[user] = (now, before[user])
-                self._model_version = version
+
+                self._limits.apply(catchup, note)
 
     @staticmethod
     def _held(model: LimitModel, user: str) -> Held:

@@ -7,11 +7,11 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection
 
+from control_plane.config import service as config
 from control_plane.db import service
 from control_plane.deps import UsageSource, UserUsage
 from control_plane.errors import InvalidInput
 from control_plane.fencing import LEADER, check_fence
-from control_plane.limits import service as limits
 from control_plane.usage import repository as repo
 from control_plane.usage.book import would_throttle_fraction
 from control_plane.usage.schemas import (
@@ -38,7 +38,7 @@ def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
     totals = source.totals()
     if not totals:
         return UsageList(items=[])
-    rates = limits.effective_rates(conn, [u.user for u in totals])
+    rates = config.effective_rates(conn, [u.user for u in totals])
     return UsageList(
         items=[
             UsageOut(
@@ -56,7 +56,7 @@ def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
 
 def tier_rates(conn: Connection, usage: list[UserUsage]) -> dict[str | None, float]:
     """Tokens/s over the last 10 s per tier (None: users without a tier)."""
-    tiers = limits.tiers_of(conn, [u.user for u in usage]) if usage else {}
+    tiers = config.tiers_of(conn, [u.user for u in usage]) if usage else {}
     per_tier: dict[str | None, float] = {}
     for u in usage:
         tier = tiers.get(u.user) or None
@@ -73,7 +73,7 @@ def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[float,
     if not counts:
         return
     users = sorted({user for user, _ in counts})
-    rates = limits.effective_rates(conn, users)
+    rates = config.effective_rates(conn, users)
     rows = []
     for (user, minute), values in sorted(counts.items()):
         tokens, throttled, would, *seconds = values

@@ -92,7 +92,9 @@ NO_FILES_LEFT = """
 import asyncio, json, os, sys, threading
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
+from control_plane.limits.plans import UserItem
 from control_plane.usage import service as usage
+from output_rate_core.policy import Policy
 
 db = Database(make_engine(sys.argv[1]))
 db.open_connections()
@@ -103,7 +105,7 @@ try:
         held.append(os.open(os.devnull, os.O_RDONLY))
 except OSError:
     pass
-items = [limits.UserItem(user=f"bulk-{i}", rate=5, tier=None) for i in range(10_000)]
+items = [UserItem(user=f"bulk-{i}", tier=None, policy=Policy(5)) for i in range(10_000)]
 bulk = loop.run_until_complete(db.run(limits.bulk_put_limits, actor="t", items=items))
 put = loop.run_until_complete(
     db.run(limits.put_limit, actor="t", user="one", rate=7, tier=None)

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from harness.client import StreamResult, run, stream_completion, user_rate
@@ -162,7 +163,7 @@ def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) ->
     engine = make_engine(cp.db_url)
     db = Database(engine)
     db.write_now(limits.put_limit, actor="test", user="user-a", rate=60, tier=None)
-    version = db.read_now(limits.current_version)
+    version = db.read_now(config.current_version)
     engine.dispose()
     stack.control_plane = cp = stack.start_control_plane()
     cp.wait_applied(version)

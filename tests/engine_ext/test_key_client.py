@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.keys import service as key_service
 from control_plane.keys.bucket import TokenBucket
@@ -54,7 +55,7 @@ def db(tmp_path: Path) -> Iterator[Database]:
 
 def write(db: Database, server: PushServer, fn: Callable[..., Any], **kw: Any) -> Any:
     result = db.write_now(fn, actor="test", **kw)
-    server.notify(db.read_now(limits.current_version))
+    server.notify(db.read_now(config.current_version))
     return result
 
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 import zmq
 
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
-from control_plane.limits import service as limits
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
@@ -81,7 +81,7 @@ class Replicas:
         """The database's limits, flattened the way engines flatten them."""
         engine = make_engine(self.db_url)
         try:
-            snap = Database(engine).read_now(limits.load_snapshot)
+            snap = Database(engine).read_now(config.load_snapshot)
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)

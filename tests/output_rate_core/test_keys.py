@@ -98,8 +98,9 @@ def test_the_comparison_is_constant_time_and_unknown_ids_compare_too(monkeypatch
 
 def test_key_ops_change_no_limit() -> None:
     from output_rate_core.limits import LimitModel
+    from output_rate_core.policy import Policy
 
-    model = LimitModel(default_rate=5)
+    model = LimitModel(Policy(5))
     assert model.apply(p.SetKey("abcdefgh2345", "a", "0" * 64)) == set()
     assert model.apply(p.DeleteKey("abcdefgh2345")) == set()
-    assert model.default_rate == 5
+    assert model.default == Policy(5)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from output_rate_core import protocol as p
+from output_rate_core.policy import Policy
 
 MESSAGES: list[p.Message] = [
     p.Hello("engine-1", "tiny", 7),
@@ -101,6 +102,37 @@ def test_ops_are_tagged_as_in_the_change_log() -> None:
     assert p.ops_from_rows([{"op": "set_user", "user": "a", "tier": None, "rate": 5}]) == [
         p.SetUser("a", None, 5, None)
     ]
+
+
+def test_policies_travel_as_the_flat_fields_they_always_had() -> None:
+    """Ops and snapshots built from policies encode exactly as the flat fields did (a
+    rolling upgrade mixes builds; stored config_changes rows must keep decoding)."""
+    pro = Policy(3, "engine", None)
+    shadow = Policy(None, None, "shadow")
+    ops: list[p.Op] = [
+        p.SetUser.of("a", "free", shadow),
+        p.SetTier.of("free", pro),
+        p.SetDefault.of(Policy(None, "fleet", "enforce")),
+    ]
+    assert ops == [
+        p.SetUser("a", "free", None, None, "shadow"),
+        p.SetTier("free", 3, "engine", None),
+        p.SetDefault(None, "fleet", "enforce"),
+    ]
+    assert [op.policy for op in ops] == [shadow, pro, Policy(None, "fleet", "enforce")]
+    snapshot = p.Snapshot.of(7, Policy(5, "engine"), {"free": pro}, {"a": ("free", shadow)})
+    assert snapshot == p.Snapshot(
+        7,
+        5,
+        {"free": 3},
+        {"a": ("free", None)},
+        default_scope="engine",
+        tier_scopes={"free": "engine"},
+        user_enforcements={"a": "shadow"},
+    )
+    assert snapshot.default_policy == Policy(5, "engine")
+    assert snapshot.tier_policies() == {"free": pro}
+    assert snapshot.user_policies() == {"a": ("free", shadow)}
 
 
 def _frame(kind: int, payload: object) -> bytes:

@@ -4,6 +4,7 @@ only fake is the clock."""
 
 from __future__ import annotations
 
+from control_plane.config.follower import Catchup
 from control_plane.fleet.coordinator import SEED_WAIT_S, FleetCoordinator, quiet_until
 from output_rate_core import protocol as p
 
@@ -25,7 +26,7 @@ def coordinator(clock: Clock, *, stopped_at: float) -> FleetCoordinator:
         lease_s=LEASE_S, clock=clock, quiet_until=quiet_until(stopped_at, LEASE_S)
     )
     snapshot = p.Snapshot(version=1, default_rate=None, tiers={}, users={"u": (None, 40)})
-    fleet.refresh(lambda: snapshot, lambda version: [])
+    fleet.catch_up(Catchup(None, snapshot=snapshot))
     return fleet
 
 

@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
+from control_plane.config import service as config
 from control_plane.db import Database
 from control_plane.keys import repository as key_repo
 from control_plane.keys.bucket import TokenBucket
-from control_plane.limits import service as limits
 from harness.control_plane import ADMIN_TOKEN, fresh_database, serve
 from output_rate_core import keys
 from output_rate_core import protocol as p
@@ -95,7 +95,7 @@ def test_create_list_revoke_and_the_key_shows_only_once(
 
     # One version per write, gap-free, each with exactly its key op.
     assert version(client) == 4
-    changes = database(client).read_now(limits.load_changes_since, 0)
+    changes = database(client).read_now(config.changes_since, 0)
     assert [v for v, _ in changes] == [1, 2, 3, 4]
     ops = [p.ops_from_rows(rows) for _, rows in changes]
     assert ops == [[p.SetKey(c["id"], c["user"], keys.hash_key(c["key"]))] for c in created] + [

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from control_plane.limits import service as limits
+from control_plane.config import service as config
 from output_rate_core.protocol import Snapshot
 
 
@@ -49,8 +49,8 @@ def test_replaying_the_change_log_gives_the_snapshot(client: TestClient) -> None
     client.put("/tiers/gold", json={"output_tokens_per_second": None})
     client.put("/default-limit", json={"output_tokens_per_second": None})
     db = client.app.state.control_plane.db  # type: ignore[attr-defined]
-    snapshot = db.read_now(limits.load_snapshot)
-    changes = db.read_now(limits.load_changes_since, 0)
+    snapshot = db.read_now(config.load_snapshot)
+    changes = db.read_now(config.changes_since, 0)
     assert [v for v, _ in changes] == list(range(1, snapshot.version + 1))
     assert snapshot.version == 10
     assert replay(changes) == snapshot
@@ -58,4 +58,4 @@ def test_replaying_the_change_log_gives_the_snapshot(client: TestClient) -> None
     assert snapshot.users["u3"] == ("gold", None)
     bulk = changes[5][1]
     assert len(bulk) == 5 and {op["op"] for op in bulk} == {"set_user"}
-    assert db.read_now(limits.load_changes_since, 9) == changes[9:]
+    assert db.read_now(config.changes_since, 9) == changes[9:]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from control_plane.limits import service as limits
+from control_plane.config import service as config
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
 from output_rate_core.limits import LimitModel
@@ -183,13 +183,13 @@ def test_an_enforcement_change_is_one_version_audited_and_in_the_snapshot(
         ("patch_limit", None, "shadow"),
     ]
     db = client.app.state.control_plane.db  # type: ignore[attr-defined]
-    snapshot = db.read_now(limits.load_snapshot)
+    snapshot = db.read_now(config.load_snapshot)
     assert snapshot.default_enforcement == "shadow"
     assert snapshot.tier_enforcements == {"gold": "enforce"}
     assert snapshot.user_enforcements == {"b": "shadow"}
     # Core's model, fed the change log op by op, is the model of the snapshot.
     replayed = LimitModel()
-    for _, version_ops in db.read_now(limits.load_changes_since, 0):
+    for _, version_ops in db.read_now(config.changes_since, 0):
         for op in p.ops_from_rows(version_ops):
             replayed.apply(op)
     assert replayed == LimitModel.from_snapshot(snapshot)

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
-from control_plane.limits import service as limits
+from control_plane.config import service as config
 from control_plane.limits.schemas import ChangePreview
 from control_plane.usage.repository import UsageRow, add_usage
 from tests.control_plane.factories import make_client
@@ -163,6 +163,17 @@ def test_default_change_lists_users_that_follow_it_and_users_seen_without_a_reco
     assert walk_in["before"] is None and walk_in["after"] is None and not walk_in["created"]
     assert walk_in["last_hour"]["max_over_new_limit_output_tokens_per_second"] == 20.0
     assert by_user(body)["plain"]["after"]["effective_scope"] == "engine"
+    # A scope change moves every user whose scope comes from the default, tiered users
+    # too, each still resolved with its tier's rate.
+    scope = client.put("/default-limit?dry_run=true", json={"scope": "engine"}).json()
+    assert [i["user"] for i in scope["items"]] == ["own", "tiered", "walk-in"]
+    tiered = by_user(scope)["tiered"]
+    assert tiered["before"]["effective_output_tokens_per_second"] == 100
+    assert tiered["after"]["effective_output_tokens_per_second"] == 100
+    assert (tiered["before"]["effective_scope"], tiered["after"]["effective_scope"]) == (
+        "fleet",
+        "engine",
+    )
 
 
 def test_single_user_previews(client: TestClient, db_url: str) -> None:
@@ -213,7 +224,7 @@ def test_dry_run_writes_nothing(client: TestClient) -> None:
     assert csv.status_code == 200
     assert version(client) == at and committed == []
     assert client.get("/audit").json()["items"] == audit_before
-    assert db.read_now(limits.load_changes_since, at) == []
+    assert db.read_now(config.changes_since, at) == []
     assert client.get("/limits/a").json()["tier"] == "pro"
     assert client.get("/limits").json()["total"] == 1
     # The same write without dry_run does reach the hook.

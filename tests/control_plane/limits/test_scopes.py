@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from control_plane.config import service as config
 from control_plane.engines import service as engines
-from control_plane.limits import service as limits
 from control_plane.usage.book import UsageBook
 from output_rate_core import protocol as p
 from output_rate_core.limits import LimitModel
@@ -184,8 +184,8 @@ def test_the_change_log_carries_scopes_and_replays_to_the_snapshot(client: TestC
     )
     client.patch("/limits/d", json={"scope": "fleet"})
     db = client.app.state.control_plane.db  # type: ignore[attr-defined]
-    snapshot = db.read_now(limits.load_snapshot)
-    changes = db.read_now(limits.load_changes_since, 0)
+    snapshot = db.read_now(config.load_snapshot)
+    changes = db.read_now(config.changes_since, 0)
     ops = [op for _, version_ops in changes for op in version_ops]
     unset = {"enforcement": None}
     assert ops[0] == {"op": "set_tier", "name": "gold", "rate": 500, "scope": "engine", **unset}

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from control_plane.app import create_app
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.engines.service import list_engines
 from control_plane.fleet.coordinator import FleetCoordinator
@@ -134,7 +135,7 @@ def create_key(db: Database, user: str) -> tuple[str, str]:
 
 
 def current(db: Database) -> int:
-    return db.read_now(limits.current_version)
+    return db.read_now(config.current_version)
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:

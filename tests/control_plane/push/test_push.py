@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.engines.service import list_engines
 from control_plane.limits import service as limits
@@ -43,11 +44,11 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
 def write(db: Database, server: PushServer | None, fn: Callable, **kw) -> None:
     db.write_now(fn, actor="test", **kw)
     if server is not None:
-        server.notify(db.read_now(limits.current_version))
+        server.notify(db.read_now(config.current_version))
 
 
 def expected(db: Database) -> tuple[int, int | None, dict[str, int | None]]:
-    snap = db.read_now(limits.load_snapshot)
+    snap = db.read_now(config.load_snapshot)
     limiter = OutputRateLimiter(None)
     LimitTable.from_snapshot(snap).load(limiter)
     return snap.version, limiter.default_rate, limiter.user_rates()

@@ -24,6 +24,7 @@ import pytest
 import zmq
 
 from control_plane.cli import upgrade
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
 from engine_ext.limit_table import LimitTable
@@ -99,7 +100,7 @@ class ControlPlane:
         """The database's limits, flattened the way engines flatten them."""
         engine = make_engine(self.db_url)
         try:
-            snap = Database(engine).read_now(limits.load_snapshot)
+            snap = Database(engine).read_now(config.load_snapshot)
         finally:
             engine.dispose()
         limiter = OutputRateLimiter(None)
@@ -247,7 +248,7 @@ def test_the_vllm_scheduler_takes_the_snapshot_at_start_and_deltas_at_each_step(
         # The connection waited for the snapshot: the flags' limits are replaced before any step.
         assert (limiter.default_rate, limiter.user_rates()) == (40, {"a": 7})
         database.write_now(limits.put_limit, actor="t", user="b", rate=3, tier=None)
-        version = database.read_now(limits.current_version)
+        version = database.read_now(config.current_version)
         server.notify(version)
         deadline = time.monotonic() + WAIT_S
         while client.applied_version < version:

@@ -14,6 +14,7 @@ import pytest
 import zmq
 from sqlalchemy import event
 
+from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.engines.service import list_engines
 from control_plane.fleet.coordinator import FleetCoordinator
@@ -81,7 +82,7 @@ def test_the_socket_thread_never_waits_on_the_database(kind: str, tmp_path: Path
             api.send(p.encode(p.Hello("e1", "", 0, role=p.API_ROLE)))
             assert api.poll(20_000) and p.peek_type(api.recv()) == p.SNAPSHOT
             write(db, server, limits.put_limit, user="u", rate=40, tier=None)
-            version = db.read_now(limits.current_version)
+            version = db.read_now(config.current_version)
             engine.streams = {"u": 1}
             until([engine], lambda: engine.client.applied_version == version)
             until([engine], lambda: engine.share("u") == 40_000)
