@@ -1,8 +1,9 @@
 """A waiting queue indexed by user, that upstream's admission loop reads through a gate.
 
-vLLM 0.32.0's ``Scheduler`` keeps waiting requests in a ``RequestQueue`` and
-admits them by peeking at its head. ``UserIndexedQueue`` implements that same
-interface, so it can stand in for ``Scheduler.waiting``:
+vLLM's ``Scheduler`` keeps waiting requests in ``RequestQueue`` objects (``waiting``,
+``kv_holding_waiting``, and from 0.34 ``async_kv_waiting``) and admits them by peeking
+at their heads. ``UserIndexedQueue`` implements that same interface, so it can stand in
+for each of them:
 
 - It holds every waiting request (``len()`` is the real count, so upstream's
   rules that read the queue length, like the long-prefill threshold, see what
