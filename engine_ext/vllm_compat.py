@@ -71,6 +71,7 @@ What the product depends on, by module:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import itertools
@@ -142,7 +143,10 @@ class UnsupportedVllmError(RuntimeError):
     """Limiting was asked for on a vLLM version whose internals are not the supported ones."""
 
 
+@functools.cache
 def installed_vllm_version() -> str | None:
+    # Cached: reading the distributions' metadata takes milliseconds, and release() is
+    # asked every step (holds_prefill_chunks); what is installed does not change.
     for distribution in VLLM_DISTRIBUTIONS:
         try:
             return importlib.metadata.version(distribution)

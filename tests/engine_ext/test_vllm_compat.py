@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import pytest
@@ -56,6 +57,16 @@ def test_the_installed_vllm_is_a_supported_one_and_its_own_row_is_used() -> None
     assert vllm_compat.is_supported_vllm()
     vllm_compat.check_vllm_version()
     assert vllm_compat.release().version == vllm.__version__.split("+")[0]
+
+
+def test_the_release_row_is_cheap_to_ask_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_compat.release()
+
+    def read_metadata(name: str) -> str:
+        raise AssertionError("metadata read again")
+
+    monkeypatch.setattr(importlib.metadata, "version", read_metadata)
+    assert vllm_compat.release() is vllm_compat.release()
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0", "0.32.0+cpu"])
