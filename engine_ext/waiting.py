@@ -136,7 +136,11 @@ class UserIndexedQueue(RequestQueue):
         return self._num_requests
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._in_order())
+        # In queue order, lazily: vLLM 0.34's cache-aware admission reads the first few
+        # requests every step (islice), which then costs O(n) to copy the heaps, not a sort.
+        return (
+            request for _, request in heapq.merge(*map(_in_order_lazily, self._by_user.values()))
+        )
 
     # What code outside the plugin may do with upstream's FCFS queue (a ``deque``):
     # index it, slice it, reverse it, test membership. O(n log n) each; the
@@ -226,3 +230,10 @@ class UserIndexedQueue(RequestQueue):
                 heapq.heappush(self._heads, (new_head, user))
         self._num_requests -= num_removed
         return num_removed
+
+
+def _in_order_lazily(heap: list[_Entry]) -> Iterator[_Entry]:
+    """The entries of ``heap`` in order, from a copy (the queue may change meanwhile)."""
+    entries = list(heap)
+    while entries:
+        yield heapq.heappop(entries)
