@@ -1,4 +1,4 @@
-"""UserIndexedQueue against vLLM 0.32.0's own request queues.
+"""UserIndexedQueue against vLLM's own request queues (of each release).
 
 Without a gate it must order requests exactly as upstream's queue for the
 policy; with a gate, refused users' requests are passed over for the step and
