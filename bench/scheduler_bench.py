@@ -1,4 +1,4 @@
-"""Scheduler step cost, output-rate scheduler vs upstream vLLM 0.32.0.
+"""Scheduler step cost, output-rate scheduler vs upstream vLLM (the release imported).
 
 One step = schedule() + update_from_output() on the real scheduler and KV
 manager with R running decode requests (model runner outputs built by hand).
@@ -19,6 +19,8 @@ limit of 1 tok/s (refused every step if enforced: counted, served as unlimited).
 
 Run: .venv/bin/python -m bench.scheduler_bench [--steps N] [--rounds K] [--builds B]
      [--running R [R ...]] [--streams-per-user S] [--shadow-users N]
+On another supported release, put its folder first (scripts/setup.sh installs them):
+     PYTHONPATH=.cache/vllm-releases/0.34.0:. .venv/bin/python -m bench.scheduler_bench
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_ext.planner import StepPlanner
@@ -176,6 +179,7 @@ def main() -> list[str]:
     )
     args = parser.parse_args()
     assert all(callable(getattr(StepPlanner if h else OutputRateMixin, n)) for h, n in OWN_CODE)
+    print(f"vLLM {vllm.__version__}", flush=True)
     rows = [
         "| R running | upstream µs/step | output-rate µs/step | ratio "
         "| planner + adapter µs/step (share of upstream) "

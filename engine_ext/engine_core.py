@@ -37,7 +37,9 @@ def is_output_rate_scheduler(scheduler: object) -> bool:
 
 def wait_for_input(engine: Any, timeout_s: float) -> bool:
     """Block on the engine's input queue and handle what arrives. True if woken."""
-    if timeout_s <= 0:
+    if timeout_s <= 0 or vllm_compat.has_deferred_engine_inputs(engine):
+        # Inputs deferred during the step come before anything still queued: the busy
+        # loop's next _process_input_queue() handles them first (vLLM 0.34).
         return False
     try:
         item = vllm_compat.engine_input_queue(engine).get(timeout=timeout_s)

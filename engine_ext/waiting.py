@@ -1,8 +1,9 @@
 """A waiting queue indexed by user, that upstream's admission loop reads through a gate.
 
-vLLM 0.32.0's ``Scheduler`` keeps waiting requests in a ``RequestQueue`` and
-admits them by peeking at its head. ``UserIndexedQueue`` implements that same
-interface, so it can stand in for ``Scheduler.waiting``:
+vLLM's ``Scheduler`` keeps waiting requests in ``RequestQueue`` objects (``waiting``,
+``kv_holding_waiting``, and from 0.34 ``async_kv_waiting``) and admits them by peeking
+at their heads. ``UserIndexedQueue`` implements that same interface, so it can stand in
+for each of them:
 
 - It holds every waiting request (``len()`` is the real count, so upstream's
   rules that read the queue length, like the long-prefill threshold, see what
@@ -135,7 +136,11 @@ class UserIndexedQueue(RequestQueue):
         return self._num_requests
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._in_order())
+        # In queue order, lazily: vLLM 0.34's cache-aware admission reads the first few
+        # requests every step (islice), which then costs O(n) to copy the heaps, not a sort.
+        return (
+            request for _, request in heapq.merge(*map(_in_order_lazily, self._by_user.values()))
+        )
 
     # What code outside the plugin may do with upstream's FCFS queue (a ``deque``):
     # index it, slice it, reverse it, test membership. O(n log n) each; the
@@ -225,3 +230,10 @@ class UserIndexedQueue(RequestQueue):
                 heapq.heappush(self._heads, (new_head, user))
         self._num_requests -= num_removed
         return num_removed
+
+
+def _in_order_lazily(heap: list[_Entry]) -> Iterator[_Entry]:
+    """The entries of ``heap`` in order, from a copy (the queue may change meanwhile)."""
+    entries = list(heap)
+    while entries:
+        yield heapq.heappop(entries)

@@ -1,7 +1,11 @@
 """Real parts to drive, shared by the tests and the benchmarks (never shipped).
 
-- ``scheduler``: the real vLLM 0.32.0 schedulers built in-process on the CPU,
-  requests, hand-built model-runner outputs (the only fake) and a fake clock.
+- ``scheduler``: the real vLLM schedulers (of the release imported) built in-process on
+  the CPU, requests, hand-built model-runner outputs (the only fake) and a fake clock.
+- ``vllm_release``: which vLLM a test session imports, checked against the release a
+  run is for (scripts/test_vllm_releases.sh).
+- ``upstream_tests``: a pytest plugin that runs vLLM's own scheduler tests with the
+  output-rate schedulers swapped in.
 - ``servers``: real ``vllm`` server processes on the tiny local model, ports.
 - ``control_plane``: empty or migrated databases (SQLite, a PostgreSQL schema) and
   ``output-rate serve`` as a subprocess; the admin token both use.

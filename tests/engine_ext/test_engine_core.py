@@ -11,6 +11,7 @@ ZMQ handshakes with a front end. A real thread plays the front end.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 
+from engine_ext import vllm_compat
 from engine_ext.engine_core import idle_wait_after_step, install_wake
 from engine_ext.plugin import register
 from harness.scheduler import make_request, make_scheduler, runner_output
@@ -40,6 +42,9 @@ def make_engine(scheduler: Any) -> Any:
     engine.check_for_draft_tokens = False
     engine.async_scheduling = False
     engine.num_model_steps = 0
+    # What vLLM 0.34's EngineCoreProc.__init__ also sets (unused attributes before it).
+    engine.reject_new_requests = False
+    engine._deferred_inputs = collections.deque()
 
     def step_fn() -> tuple[dict[int, Any], bool]:
         if not scheduler.has_requests():
@@ -115,6 +120,28 @@ def test_an_abort_ends_the_wait_and_is_handled(throttled_engine: Any) -> None:
     thread.join()
     assert req_id not in scheduler.requests
     assert scheduler.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.skipif(
+    not vllm_compat.release().defers_engine_inputs,
+    reason="this vLLM handles every input as it is taken from the queue",
+)
+def test_inputs_deferred_during_the_step_are_not_overtaken_by_the_wait(
+    throttled_engine: Any,
+) -> None:
+    """vLLM 0.34 takes inputs from the queue while a step runs and defers some (utility
+    calls) until the step is done; the busy loop handles them before anything still
+    queued. The idle wait must not start then: it would handle a newer input first."""
+    scheduler = throttled_engine.scheduler
+    scheduler.output_rate_wait_s = lambda now_ns=None: LONG_WAIT_S
+    (req_id,) = scheduler.requests
+    deferred = (EngineCoreRequestType.ABORT, [req_id])
+    throttled_engine._deferred_inputs.append(deferred)
+    newer = (EngineCoreRequestType.ADD, (make_request("other", max_tokens=5), 0))
+    throttled_engine.input_queue.put(newer)
+    assert throttled_engine._process_engine_step() is False
+    assert list(throttled_engine._deferred_inputs) == [deferred]
+    assert throttled_engine.input_queue.get_nowait() == newer  # left for the busy loop
 
 
 def test_wake_engine_from_another_thread_ends_the_wait(throttled_engine: Any) -> None:

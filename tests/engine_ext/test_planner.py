@@ -103,6 +103,23 @@ def test_a_user_short_of_tokens_is_charged_only_for_requests_whose_step_samples(
     assert plan.admission_cap is None
 
 
+def test_a_final_prefill_chunk_held_by_the_prefill_cadence_takes_no_token() -> None:
+    """vLLM 0.33's local prefill cadence passes over every running prefill chunk in a held
+    step: the chunk would sample, but not this step, so the user's one token goes to its
+    decode instead of being charged and refunded after the decode was refused."""
+    planner, users, clock = make_planner({"a": 10})
+    chunk = add(users, "a", 1, num_output_tokens=0, num_computed_tokens=4, is_prefill_chunk=True)
+    decode = add(users, "a", 1)
+    drain(planner, "a")
+    clock[0] += 100_000_000  # one token
+    held = Slots(max_active=16, max_running=16, num_held=2, max_chunk=64, holds_prefill_chunks=True)
+    plan, _ = planner.plan([*chunk, *decode], (Queue(),), held, step=5)
+    assert plan.charged == decode and plan.throttled == []
+    clock[0] += 100_000_000
+    plan, _ = planner.plan([*chunk, *decode], (Queue(),), slots(2), step=6)
+    assert plan.charged == chunk and plan.throttled == decode  # not held: the chunk first
+
+
 def test_a_covered_user_is_charged_for_every_request_and_settle_keeps_what_sampled() -> None:
     planner, users, _ = make_planner({"a": 1000})
     running = four_kinds_of_running(users, "a")

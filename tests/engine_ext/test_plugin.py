@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from engine_ext import vllm_compat
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
 from engine_ext.identity import IDENTITY_ENV, MIDDLEWARE, IdentityConfig
 from engine_ext.plugin import (
@@ -36,7 +36,7 @@ def _restore_limiting_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def parse(*flags: str):
     register()
     register()  # idempotent: a second call must not add the flags twice
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = vllm_compat.make_arg_parser(FlexibleArgumentParser())
     return parser.parse_args([*BASE, *flags])
 
 

@@ -1,4 +1,4 @@
-"""The output-rate schedulers on the real vLLM 0.32.0 scheduler and KV manager.
+"""The output-rate schedulers on the real vLLM scheduler and KV manager (of each release).
 
 Fakes, at narrow seams only: the clock (``FakeClock``) and the model runner
 (hand-built ``ModelRunnerOutput``s, one token per sampling request).

@@ -12,8 +12,10 @@ import random
 from typing import Any
 
 import pytest
+from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from engine_ext import vllm_compat
 from engine_ext.limit_table import LimitTable
 from engine_ext.planner import AdmissionGate, StepPlan, StepPlanner
 from harness.scheduler import (
@@ -65,7 +67,15 @@ def crowded_trace_requests(seed: int) -> list[tuple[int, dict]]:
     return arrivals
 
 
-SCENARIOS = {
+def priority_trace_requests(seed: int) -> list[tuple[int, dict]]:
+    """The mixed workload with priorities, for the priority policy: with few KV blocks
+    the lowest-priority running request can preempt itself (vLLM 0.33 on, upstream
+    then goes on with the requests after it)."""
+    rng = random.Random(seed)
+    return [(at, kwargs | {"priority": rng.randrange(4)}) for at, kwargs in trace_requests(11)]
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
     "mixed": {
         "arrivals": trace_requests(seed=11),
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "num_blocks": 36},
@@ -98,7 +108,52 @@ SCENARIOS = {
             "long_prefill_token_threshold": 400,
         },
     },
+    "priority": {
+        "arrivals": priority_trace_requests(seed=3),
+        "scheduler": {
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 128,
+            "num_blocks": 36,
+            "scheduler_options": {"policy": "priority"},
+        },
+    },
+    # Prefill only every 3rd step while something decodes: from vLLM 0.33 the scheduler
+    # holds prefill chunks and admissions on its own (before, only with data parallelism).
+    "prefill-cadence": {
+        "arrivals": trace_requests(seed=7),
+        "scheduler": {
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 128,
+            "num_blocks": 60,
+            "scheduler_options": {"prefill_schedule_interval": 3},
+        },
+    },
+    # vLLM 0.34's cache-aware admission: the waiting requests with a cached prefix go
+    # first within a window of the queue (every step: threshold 0).
+    "cache-aware": {
+        "arrivals": trace_requests(seed=11),
+        "scheduler": {
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 96,
+            "num_blocks": 40,
+            "scheduler_options": {
+                "cache_aware_admission_window": 8,
+                "cache_aware_admission_threshold": 0.0,
+            },
+        },
+    },
 }
+
+
+def scenario_params() -> list[Any]:
+    """Every scenario, skipped on a release without the scheduler options it needs."""
+    fields = SchedulerConfig.__dataclass_fields__
+    params = []
+    for name, scenario in SCENARIOS.items():
+        missing = set(scenario["scheduler"].get("scheduler_options", {})) - fields.keys()
+        reason = f"this vLLM's scheduler has no {', '.join(sorted(missing))}"
+        params.append(pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason)))
+    return params
 
 
 def summarize(out: SchedulerOutput) -> tuple:
@@ -171,7 +226,7 @@ def run_scheduler(
     return [summarize(o) for o in trace.outputs], sched
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params())
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("default_rate", [None, 1_000_000], ids=["no-limits", "limit-not-binding"])
 def test_same_decisions_as_upstream(
@@ -179,14 +234,14 @@ def test_same_decisions_as_upstream(
 ) -> None:
     upstream = run(scenario, limited=False, async_scheduling=async_scheduling, default_rate=None)
     ours = run(scenario, limited=True, async_scheduling=async_scheduling, default_rate=default_rate)
-    if scenario == "mixed":
+    if scenario in ("mixed", "priority"):
         preempted = sum(len(s[4]) for s in upstream)
         assert preempted > 0, "the trace should exercise preemption"
     for step, (want, got) in enumerate(zip(upstream, ours, strict=True)):
         assert got == want, f"step {step} differs"
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params())
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_upstream_schedules_only_running_requests_and_those_the_gate_admitted(
     scenario: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
@@ -238,7 +293,7 @@ def _snapshot(
     )
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params())
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_shadow_user_beside_an_enforced_one_is_scheduled_as_unlimited(
     scenario: str, async_scheduling: bool
@@ -271,7 +326,7 @@ def test_a_shadow_user_beside_an_enforced_one_is_scheduled_as_unlimited(
         assert planner.num_throttled.get("b", 0) > 0
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params())
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_everyone_in_shadow_decides_as_upstream(scenario: str, async_scheduling: bool) -> None:
     """The default in shadow at a binding rate, "b" in shadow on its own override:
@@ -295,3 +350,44 @@ def test_everyone_in_shadow_decides_as_upstream(scenario: str, async_scheduling:
     planner = sched.output_rate_planner
     assert planner.num_throttled == {}
     assert planner.num_would_throttle.get("b", 0) > 0
+
+
+@pytest.mark.skipif(
+    not vllm_compat.release().has_local_prefill_cadence,
+    reason="this vLLM holds prefill only with data parallelism (refused by verification)",
+)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_prefill_cadence_mirror_says_when_upstream_passes_over_prefill_chunks(
+    async_scheduling: bool,
+) -> None:
+    """``vllm_compat.holds_prefill_chunks`` (what the planner charges by) against upstream's
+    own scheduler on the prefill-cadence trace: in every step it says held, no running
+    prefill chunk is scheduled; the trace has held steps and steps that schedule one."""
+    sched = make_scheduler(
+        async_scheduling=async_scheduling,
+        limited=False,
+        **SCENARIOS["prefill-cadence"]["scheduler"],
+    )
+    upstream_schedule = sched.schedule
+    num_steps = {True: 0, False: 0}
+
+    def schedule(*args: Any, **kwargs: Any) -> SchedulerOutput:
+        held = vllm_compat.holds_prefill_chunks(sched)
+        chunks = {r.request_id for r in sched.running if r.is_prefill_chunk}
+        output = upstream_schedule(*args, **kwargs)
+        scheduled = chunks & output.num_scheduled_tokens.keys()
+        if held:
+            assert not scheduled
+        num_steps[held] += bool(chunks) and (held or bool(scheduled))
+        return output
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    arrivals = SCENARIOS["prefill-cadence"]["arrivals"]
+    drive(
+        sched,
+        num_steps=900,
+        on_step=lambda step: [
+            sched.add_request(make_request(**kwargs)) for at, kwargs in arrivals if at == step
+        ],
+    )
+    assert num_steps[True] > 0 and num_steps[False] > 0, num_steps

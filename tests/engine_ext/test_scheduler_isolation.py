@@ -1,4 +1,4 @@
-"""Isolation under pressure, on the real vLLM 0.32.0 scheduler and KV manager.
+"""Isolation under pressure, on the real vLLM scheduler and KV manager (of each release).
 
 A throttled user with more streams than worker slots must not keep a user
 with budget out: slots are reclaimed from throttled requests through

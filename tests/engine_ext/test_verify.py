@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from vllm.config import MultiModalConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
 from engine_ext.plugin import register
 from engine_ext.verify import OutputRateConfigError, verify_config
@@ -31,7 +31,7 @@ LIMIT = ["--default-user-output-tokens-per-second", "10"]
 
 def engine_config(*flags: str) -> Any:
     register()
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*BASE, *flags])
+    args = vllm_compat.make_arg_parser(FlexibleArgumentParser()).parse_args([*BASE, *flags])
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 

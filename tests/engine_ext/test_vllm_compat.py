@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from engine_ext import vllm_compat
 from engine_ext.plugin import register
@@ -18,7 +20,7 @@ from engine_ext.vllm_compat import (
     UnsupportedVllmError,
 )
 from harness.scheduler import make_scheduler
-from tests.engine_ext.test_plugin import engine_config
+from tests.engine_ext.test_plugin import parse
 
 
 class Target:
@@ -49,22 +51,64 @@ def other_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
 
 
-def test_the_installed_vllm_is_the_supported_one() -> None:
+def test_the_installed_vllm_is_a_supported_one_and_its_own_row_is_used() -> None:
+    import vllm
+
     assert vllm_compat.is_supported_vllm()
     vllm_compat.check_vllm_version()
+    assert vllm_compat.release().version == vllm.__version__.split("+")[0]
 
 
-def test_another_vllm_is_refused_with_the_supported_version_named(other_vllm: None) -> None:
+def test_the_release_row_is_cheap_to_ask_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_compat.release()
+
+    def read_metadata(name: str) -> str:
+        raise AssertionError("metadata read again")
+
+    monkeypatch.setattr(importlib.metadata, "version", read_metadata)
+    assert vllm_compat.release() is vllm_compat.release()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0", "0.32.0+cpu"])
+def test_exactly_the_three_releases_are_accepted(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: version)
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
+    vllm_compat.check_vllm_version()
+    assert vllm_compat.release().version == version.split("+")[0]
+
+
+def test_another_vllm_is_refused_with_the_supported_versions_named(other_vllm: None) -> None:
     with pytest.raises(UnsupportedVllmError) as refused:
         vllm_compat.check_vllm_version()
     message = str(refused.value)
-    assert "0.32.0" in message and "0.33.1" in message and ALLOW_UNSUPPORTED_ENV in message
+    assert "0.32.0, 0.33.0 and 0.34.0" in message
+    assert "0.33.1" in message and ALLOW_UNSUPPORTED_ENV in message
 
 
-def test_a_limited_server_refuses_to_start_on_another_vllm(other_vllm: None) -> None:
-    with pytest.raises(UnsupportedVllmError, match=r"0\.32\.0"):
-        engine_config("--default-user-output-tokens-per-second", "5")
-    engine_config()  # without limit flags the plugin stays out of the way
+@pytest.mark.parametrize(
+    ("version", "row"),
+    [("0.33.1", "0.33.0"), ("0.35.0rc1", "0.34.0"), ("0.31.0", "0.32.0"), (None, "0.32.0")],
+)
+def test_another_version_uses_the_newest_row_not_newer_than_it(
+    version: str | None, row: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: version)
+    assert vllm_compat.release().version == row
+
+
+def test_a_limited_server_refuses_to_start_on_another_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Parsed on the installed vLLM (the parser's module is the installed release's).
+    limited, plain = parse("--default-user-output-tokens-per-second", "5"), parse()
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.33.1")
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(UnsupportedVllmError, match=r"0\.32\.0, 0\.33\.0 and 0\.34\.0"):
+        AsyncEngineArgs.from_cli_args(limited).create_engine_config()
+    # without limit flags the plugin stays out of the way
+    AsyncEngineArgs.from_cli_args(plain).create_engine_config()
 
 
 def test_the_override_runs_anyway_but_says_so(

@@ -1,4 +1,4 @@
-"""UserIndexedQueue against vLLM 0.32.0's own request queues.
+"""UserIndexedQueue against vLLM's own request queues (of each release).
 
 Without a gate it must order requests exactly as upstream's queue for the
 policy; with a gate, refused users' requests are passed over for the step and
@@ -7,6 +7,7 @@ everything else keeps that order.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -105,6 +106,30 @@ def test_gate_passes_over_refused_users_and_keeps_the_order(policy) -> None:
     queue.remove_gate()
     assert list(queue) == [r for r in reference if user_of(r) == "hog"]
     assert queue.peek_request() is next(iter(queue))
+
+
+@POLICIES
+def test_the_first_requests_are_read_without_ordering_the_whole_queue(policy) -> None:
+    """vLLM 0.34's cache-aware admission reads the first requests of ``waiting`` every
+    step (``itertools.islice``), then removes and prepends them; the queue keeps up."""
+    rng = random.Random(5)
+    ours = UserIndexedQueue(policy, user_of)
+    theirs = create_request_queue(policy)
+    for _ in range(2000):
+        request = make_queued(rng.choice("abcdefgh"), rng)
+        ours.add_request(request)
+        theirs.add_request(request)
+    for _ in range(20):
+        head = list(itertools.islice(ours, 8))
+        assert head == list(itertools.islice(theirs, 8))
+        reordered = head[::-1]
+        for queue in (ours, theirs):
+            queue.remove_requests(head)
+            for request in reversed(reordered):
+                queue.prepend_request(request)
+        assert ours.peek_request() is theirs.peek_request()
+        assert ours.pop_request() is theirs.pop_request()
+    assert list(ours) == list(theirs)
 
 
 def test_changes_to_a_gated_out_user_survive_the_step() -> None:
