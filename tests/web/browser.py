@@ -9,7 +9,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from playwright.sync_api import Browser, ConsoleMessage, Page
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect
+
+from harness.servers import ControlPlane
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -62,3 +64,12 @@ def watched_page(
         context.close()
     assert watched.console_errors == [], watched.console_errors
     assert watched.foreign_requests == [], watched.foreign_requests
+
+
+def sign_in(page: Page, served: ControlPlane, view: str = "overview") -> None:
+    """Open `view` with the admin token and wait until the view says it is drawn."""
+    page.goto(f"{served.url}/ui/#/{view}")
+    page.fill("#token", ControlPlane.TOKEN)
+    page.get_by_role("button", name="Use token").click()
+    expect(page.locator("#role")).to_be_visible()
+    expect(page.locator(f'#view[data-ready="{view}"]')).to_have_count(1)

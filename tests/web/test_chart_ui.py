@@ -25,10 +25,9 @@ from control_plane.usage.history import UsageRecorder
 from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
 from output_rate_core import protocol as p
-from tests.web.browser import DESKTOP, PHONE, watched_page
+from tests.web.browser import DESKTOP, PHONE, sign_in, watched_page
 from tests.web.fleet import live_engine, seed
 
-TOKEN = ControlPlane.TOKEN
 HEADERS = ControlPlane.auth_headers()
 expect.set_options(timeout=30_000)
 # Six users held at 94-98 % of 100 tok/s and one at 100 %: lines that overlap.
@@ -107,14 +106,6 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     print(f"\nchart screenshots: {out}")
     return out
-
-
-def sign_in(page: Page, served: ControlPlane, view: str = "overview") -> None:
-    page.goto(f"{served.url}/ui/#/{view}")
-    page.fill("#token", TOKEN)
-    page.get_by_role("button", name="Use token").click()
-    expect(page.locator("#role")).to_be_visible()
-    expect(page.locator(f'#view[data-ready="{view}"]')).to_have_count(1)
 
 
 def shares(page: Page, user: str) -> list[float]:

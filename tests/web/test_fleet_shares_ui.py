@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, expect
 
 from harness.applying_engine import ApplyingEngine
 from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.web.browser import watched_page
+from tests.web.browser import sign_in, watched_page
 
 HEADERS = ControlPlane.auth_headers()
 expect.set_options(timeout=30_000)
@@ -75,13 +75,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
                 yield server
         finally:
             server.kill()
-
-
-def sign_in(page: Page, served: ControlPlane, view: str) -> None:
-    page.goto(f"{served.url}/ui/#/{view}")
-    page.fill("#token", ControlPlane.TOKEN)
-    page.get_by_role("button", name="Use token").click()
-    expect(page.locator(f'#view[data-ready="{view}"]')).to_have_count(1)
 
 
 def test_the_user_page_lists_the_share_each_engine_holds(

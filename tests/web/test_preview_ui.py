@@ -23,10 +23,9 @@ from playwright.sync_api import Browser, Page, Request, expect
 
 from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.web.browser import DESKTOP, PHONE, watched_page
+from tests.web.browser import DESKTOP, PHONE, sign_in, watched_page
 from tests.web.fleet import seed, write_history
 
-TOKEN = ControlPlane.TOKEN
 HEADERS = ControlPlane.auth_headers()
 expect.set_options(timeout=20_000)
 # user-00005..: 21 tok/s and more in each minute, over the free tier's 10.
@@ -55,14 +54,6 @@ def api(served: ControlPlane, method: str, path: str, **kwargs: Any) -> httpx.Re
 
 def version(served: ControlPlane) -> int:
     return int(api(served, "GET", "/default-limit").json()["version"])
-
-
-def sign_in(page: Page, served: ControlPlane, view: str) -> None:
-    page.goto(f"{served.url}/ui/#/{view}")
-    page.fill("#token", TOKEN)
-    page.get_by_role("button", name="Use token").click()
-    expect(page.locator("#role")).to_be_visible()
-    expect(page.locator(f'#view[data-ready="{view}"]')).to_have_count(1)
 
 
 def bulk_posts(page: Page) -> list[str]:
