@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from harness.client import StreamResult, run, stream_completion
-from harness.servers import ControlPlane, VllmServer, free_port
+from harness.servers import ControlPlane, VllmServer, fleet_engine, free_port
 
 USER = "bench-fleet-user"
 
@@ -36,18 +36,7 @@ def start_stack(tmp: Path, limit: int) -> tuple[ControlPlane, list[VllmServer]]:
     port, zmq_port = free_port(), free_port()
     cp = ControlPlane(tmp / "cp.log", f"sqlite:///{tmp / 'cp.db'}", port, zmq_port)
     cp.wait_ready()
-    engines = [
-        VllmServer(
-            tmp / f"engine-{name}.log",
-            "--control-plane-endpoint",
-            cp.zmq_endpoint,
-            "--output-rate-engine-id",
-            name,
-            "--max-num-seqs",
-            "16",
-        )
-        for name in ("bench-a", "bench-b")
-    ]
+    engines = [fleet_engine(tmp, cp, name) for name in ("bench-a", "bench-b")]
     for engine in engines:
         engine.wait_ready()
     cp.wait_applied(cp.put(USER, limit))

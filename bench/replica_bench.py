@@ -53,7 +53,7 @@ def writer_cost(url: str, *, threads: int, writes: int, rounds: int) -> list[str
     try:
         for r in range(rounds):
             for announce in (True, False) if r % 2 == 0 else (False, True):
-                db.on_commit[:] = [announcer.announce] if announce else []
+                db.on_commit[:] = [announcer.committed] if announce else []
                 results[announce].append(
                     writer_round(db, threads=threads, writes=writes, tag=f"r{r}{int(announce)}")
                 )

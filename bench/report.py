@@ -46,3 +46,30 @@ def write_report(text: str, out: str) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
     print(text)
+
+
+def write_section(text: str, out: str) -> None:
+    """Print the report and, unless `out` is "-", put it in `out` in place of the section
+    with the same first line (a `# ` heading, up to the next one outside code), or after the others:
+    benchmarks that share a results file keep each other's sections."""
+    print(text)
+    if out == "-":
+        return
+    path = Path(out)
+    sections: list[list[str]] = []
+    in_code = False
+    for line in path.read_text().splitlines() if path.exists() else ():
+        in_code ^= line.startswith("```")
+        if (line.startswith("# ") and not in_code) or not sections:
+            sections.append([])
+        sections[-1].append(line)
+    parts = ["\n".join(s).strip("\n") for s in sections]
+    new = text.strip("\n")
+    heading = new.splitlines()[0]
+    at = next((i for i, s in enumerate(sections) if s[0] == heading), None)
+    if at is None:
+        parts.append(new)
+    else:
+        parts[at] = new
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(p for p in parts if p) + "\n")

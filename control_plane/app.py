@@ -5,6 +5,7 @@ wired to it. Nothing else wires parts together."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -24,14 +25,17 @@ from control_plane.db import Database, make_engine
 from control_plane.deps import AppState, FleetView, UsageSource
 from control_plane.edge import EdgeGuard
 from control_plane.engines import routes as engine_routes
-from control_plane.errors import ConfigurationError, DomainError
-from control_plane.fleet.coordinator import FleetCoordinator
+from control_plane.engines import service as engine_service
+from control_plane.errors import ConfigurationError, DomainError, rule_words
+from control_plane.fleet.coordinator import FleetCoordinator, quiet_until
 from control_plane.fleet.view import CurrentFleet, NoFleet
 from control_plane.keys import routes as key_routes
 from control_plane.keys.bucket import TokenBucket
 from control_plane.keys.last_used import KeyUseRecorder
 from control_plane.limits import routes as limit_routes
 from control_plane.metrics import Metrics, MetricsMiddleware
+from control_plane.push.claims import RefusedClaims
+from control_plane.push.flagged import FlaggedDemands
 from control_plane.push.metrics import PushCollector
 from control_plane.push.server import PushServer
 from control_plane.replicas import relay as fleet_relay
@@ -69,6 +73,8 @@ def create_app(
     fleet: FleetView | None = None,
     collectors: Iterable[Collector] = (),
     lease: LeaseKeeper | None = None,
+    claims: RefusedClaims | None = None,
+    flagged: FlaggedDemands | None = None,
 ) -> FastAPI:
     """The API on an already migrated database (`output-rate db upgrade`): on `db` (by
     default its own, on settings.database_url), showing `usage_source` as live usage (by
@@ -95,6 +101,8 @@ def create_app(
             per_minute=settings.key_creations_per_minute, burst=settings.key_creation_burst
         ),
         lease=lease,
+        claims=RefusedClaims() if claims is None else claims,
+        flagged=FlaggedDemands() if flagged is None else flagged,
     )
     _answer_errors(app)
     _route(app, metrics)
@@ -120,7 +128,7 @@ def _answer_errors(app: FastAPI) -> None:
 
 
 async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
-    body: dict[str, Any] = {"detail": exc.message, "field": exc.field}
+    body: dict[str, Any] = {"detail": exc.message, "field": exc.field, **exc.extra}
     if exc.errors is not None:
         body["errors"] = exc.errors
     return JSONResponse(
@@ -134,7 +142,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     errors = [
         {
             "field": _field_name(e.get("loc", ())),
-            "msg": str(e.get("msg", "invalid")),
+            "msg": rule_words(e),
             "type": str(e.get("type", "")),
         }
         for e in exc.errors()
@@ -223,7 +231,7 @@ class Served:
             self.listener.start()
             self.announcer = ChangeAnnouncer(self.db.engine, channel)
             self.announcer.start()
-            self.db.on_commit.append(self.announcer.announce)
+            self.db.on_commit.append(self.announcer.committed)
 
     def close(self) -> None:
         """Idempotent: called at the app's shutdown and again by the caller."""
@@ -269,7 +277,7 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
     else:
         push_side = _push_alone(settings, db, book, key_uses)
     push = push_side.push
-    db.on_commit.append(push.notify)
+    db.on_commit.append(push.committed)
     history = UsageRecorder(
         db,
         retention_days=settings.usage_retention_days,
@@ -291,6 +299,8 @@ def create_served_app(settings: Settings, *, insecure_no_auth: bool = False) -> 
         fleet=push_side.fleet,
         collectors=collectors,
         lease=lease,
+        claims=push.claims,
+        flagged=push.flagged,
     )
     served = Served(
         app=app,
@@ -326,10 +336,29 @@ class _PushSide:
 def _push_alone(
     settings: Settings, db: Database, book: UsageBook, key_uses: KeyUseRecorder
 ) -> _PushSide:
-    """SQLite, one replica: this one runs the fleet allocator, and its book is all usage."""
-    push = PushServer.from_settings(
-        settings, db=db, usage=book, fleet=_new_fleet(settings), key_uses=key_uses.add
+    """SQLite, one replica: this one runs the fleet allocator, and its book is all usage.
+    It starts quiet, as a new leader does (docs/fleet.md, "Bound holes"): the process it
+    replaces (a restart) may have given out leases up to the moment it started, and its
+    fresh allocator knows none of them; engines keep those shares until their lease ends,
+    then their safe shares, and only then hear the new shares. The engines its predecessor
+    heard within ``gone_after`` count in the fleet at once, and it stays quiet until each
+    said its whole demand (at most SEED_WAIT_S): else an engine joining before they are
+    back reads a fleet without them, and serves its safe share of that smaller fleet
+    beside them."""
+    outage = settings.outage
+    fleet = _new_fleet(
+        settings, quiet_until(time.monotonic(), settings.share_lease_s, outage.kept_s)
     )
+    heard = db.run_now(engine_service.recent_engine_ids, within_s=fleet.gone_after_s)
+    if heard:
+        fleet.await_engines(heard)
+        logger.info(
+            "fleet: %d engine(s) heard in the last %.0fs count at once; first shares after "
+            "each said its whole demand",
+            len(heard),
+            fleet.gone_after_s,
+        )
+    push = PushServer.from_settings(settings, db=db, usage=book, fleet=fleet, key_uses=key_uses.add)
     return _PushSide(push=push, usage_source=book, fleet=CurrentFleet(lambda: push.fleet))
 
 
@@ -375,4 +404,5 @@ def _new_fleet(settings: Settings, quiet_until: float = float("-inf")) -> FleetC
         lease_s=settings.share_lease_s,
         gone_after_s=settings.share_gone_after_s,
         quiet_until=quiet_until,
+        outage=settings.outage,
     )

@@ -169,7 +169,8 @@ def connection_summary(
     return "\n".join(
         [
             f"  http:     at most {limits.max_connections} connections (then 503, over "
-            f"{limits.max_open} closed unread); head {limits.header_timeout_s:g} s, idle "
+            f"{limits.max_open} closed unread); head {limits.header_timeout_s:g} s and "
+            f"{limits.max_head_bytes} bytes, idle "
             f"{limits.idle_timeout_s:g} s, keep-alive {settings.http_keep_alive_timeout_s} s "
             f"({protocol.parser})",
             f"  files:    open-file limit {files.num_files}{raised}",

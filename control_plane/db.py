@@ -36,7 +36,12 @@ from sqlalchemy import Connection, String, any_, bindparam, create_engine, event
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import GenericFunction
+
+from output_rate_core import protocol as p
 
 logger = logging.getLogger("control_plane")
 
@@ -59,6 +64,32 @@ def one_of(conn: Connection, column: Any, values: list[str]) -> ColumnElement[bo
     if conn.dialect.name == "postgresql":
         return column == any_(bindparam(None, values, type_=ARRAY(String)))
     return column.in_(values)
+
+
+class unicode_lower(GenericFunction[str]):
+    """lower() of any letter, not only ASCII ones, on both databases: SQLite's lower()
+    and LIKE fold ASCII only ("MÜLLER" would not find "müller"), so SQLite calls Python's
+    str.lower (registered on each connection); on PostgreSQL the ids' columns are
+    collated "C" (byte order), under which lower() folds ASCII only too, so it lowers
+    under the database's default collation (LC_CTYPE: any UTF-8 locale, C.UTF-8
+    included, folds every letter)."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(unicode_lower)
+def _unicode_lower(element: unicode_lower, compiler: SQLCompiler, **kw: Any) -> str:
+    return f'lower({compiler.process(element.clauses, **kw)} COLLATE "default")'
+
+
+@compiles(unicode_lower, "sqlite")
+def _unicode_lower_sqlite(element: unicode_lower, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"unicode_lower({compiler.process(element.clauses, **kw)})"
+
+
+def _python_lower(value: str | None) -> str | None:
+    return None if value is None else value.lower()
 
 
 def make_engine(url: str) -> Engine:
@@ -88,6 +119,7 @@ def _configure_sqlite(engine: Engine) -> None:
         # fail it.
         cursor.execute("PRAGMA temp_store=MEMORY")
         cursor.close()
+        dbapi_connection.create_function("unicode_lower", 1, _python_lower, deterministic=True)
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
@@ -141,13 +173,25 @@ def service(
 
 
 @dataclass(frozen=True)
+class Commit:
+    """A config version a write made: its number and its ops, the very ops its change-log
+    row holds (control_plane/config/service.py, `commit`)."""
+
+    version: int
+    ops: tuple[p.Op, ...]
+
+
+@dataclass(frozen=True)
 class ConfigChange(Generic[T]):
-    """What a write of the limit configuration returns: its result and the config
-    version it made (None: it changed nothing). `Database` hands the version to its
+    """What a write of the configuration returns: its result and the version it
+    committed (None: it changed nothing). `Database` hands that `Commit` to its
     `on_commit` hooks once the transaction has committed."""
 
     result: T
-    new_version: int | None
+    commit: Commit | None
+    # The version of the record written, as its ETag names it once committed (None: the
+    # write versions no record: a bulk change, an API key).
+    record_version: int | None = None
 
 
 class _WriteLockBusy(Exception):
@@ -163,12 +207,12 @@ def _is_locked(error: Exception) -> bool:
 class Database:
     """The app's engine and its unit of work: each call runs `fn(conn, **kwargs)` in one
     transaction, committed once when `fn` returns (writes) or rolled back (reads, and
-    writes that raise). `on_commit` callables get each new config version after its
-    commit, outside the transaction."""
+    writes that raise). `on_commit` callables get each new config version (a `Commit`)
+    after its commit, outside the transaction, on the thread that wrote it."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.on_commit: list[Callable[[int], None]] = []
+        self.on_commit: list[Callable[[Commit], None]] = []
         # SQLite: small reads and writes run on the event loop (see the module doc).
         self._on_loop = engine.dialect.name == "sqlite"
         # One thread runs every request's write: writers serialize on the database's
@@ -347,15 +391,15 @@ class Database:
             return work(conn)
 
     def _after_commit(self, result: object) -> None:
-        if isinstance(result, ConfigChange) and result.new_version is not None:
-            self.notify(result.new_version)
+        if isinstance(result, ConfigChange) and result.commit is not None:
+            self.notify(result.commit)
 
-    def notify(self, version: int) -> None:
+    def notify(self, commit: Commit) -> None:
         for hook in list(self.on_commit):
             try:
-                hook(version)
+                hook(commit)
             except Exception:  # a hook must never fail a committed write
-                logger.exception("on_commit hook %r failed for version %d", hook, version)
+                logger.exception("on_commit hook %r failed for version %d", hook, commit.version)
 
     def ping(self) -> None:
         """One round trip to the database (readiness); raises when it is unreachable."""

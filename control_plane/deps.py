@@ -13,7 +13,7 @@ routes see each through the narrow protocol below, which the real object (wired 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
@@ -21,6 +21,8 @@ from sqlalchemy import Connection
 from starlette.applications import Starlette
 
 from control_plane.db import Database
+from control_plane.push.claims import RefusedClaim, RefusedClaims
+from control_plane.push.flagged import Flagged, FlaggedDemands
 from control_plane.settings import Settings
 
 
@@ -32,6 +34,9 @@ class UserUsage:
     throttled_fraction: float
     # Of the same request-steps, those a shadow limit would have refused (it served them).
     would_throttle_fraction: float = 0.0
+    # Of tokens_per_s_*, the tokens lent beyond the user's rate (borrowed up to its ceiling).
+    borrowed_per_s_1s: float = 0.0
+    borrowed_per_s_10s: float = 0.0
 
 
 class UsageSource(Protocol):
@@ -61,6 +66,24 @@ class FleetView(Protocol):
 
     def num_shared_users(self, engine_id: str) -> int:
         """Users the engine holds a share for."""
+        ...
+
+
+class RefusedClaimsView(Protocol):
+    """What GET /engines shows of the claims of live engine ids this replica refused (two
+    engines with one id; control_plane/push/claims.py)."""
+
+    def of(self, engine_id: str) -> RefusedClaim | None:
+        """The refusals of that engine id (None: none)."""
+        ...
+
+
+class FlaggedDemandsView(Protocol):
+    """What GET /engines shows of the engines whose demand this replica flagged
+    implausible (control_plane/push/demand.py)."""
+
+    def of(self, engine_id: str) -> Flagged | None:
+        """The flags of that engine id (None: none)."""
         ...
 
 
@@ -96,7 +119,7 @@ class AppState:
     """Set once by `create_app`, as `app.state.control_plane`."""
 
     settings: Settings
-    # Its on_commit callables get each new config version after its commit.
+    # Its on_commit callables get each new config version (and its ops) after its commit.
     db: Database
     usage_source: UsageSource
     fleet: FleetView
@@ -106,6 +129,10 @@ class AppState:
     key_creations: KeyCreations
     # This replica's hold on the fleet-wide work (None: an app with no push endpoint).
     lease: Leadership | None = None
+    # Claims of live engine ids its push endpoint refused (an app with none: empty).
+    claims: RefusedClaimsView = field(default_factory=RefusedClaims)
+    # Engines whose demand its push endpoint flagged implausible (an app with none: empty).
+    flagged: FlaggedDemandsView = field(default_factory=FlaggedDemands)
 
 
 def app_state(app: Starlette) -> AppState:
@@ -130,6 +157,14 @@ async def get_fleet(request: Request) -> FleetView:
     return app_state(request.app).fleet
 
 
+async def get_claims(request: Request) -> RefusedClaimsView:
+    return app_state(request.app).claims
+
+
+async def get_flagged(request: Request) -> FlaggedDemandsView:
+    return app_state(request.app).flagged
+
+
 async def get_metrics(request: Request) -> MetricsPage:
     return app_state(request.app).metrics
 
@@ -147,5 +182,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 UsageSourceDep = Annotated[UsageSource, Depends(get_usage_source)]
 MetricsDep = Annotated[MetricsPage, Depends(get_metrics)]
 FleetDep = Annotated[FleetView, Depends(get_fleet)]
+ClaimsDep = Annotated[RefusedClaimsView, Depends(get_claims)]
+FlaggedDep = Annotated[FlaggedDemandsView, Depends(get_flagged)]
 KeyCreationsDep = Annotated[KeyCreations, Depends(get_key_creations)]
 LeaseDep = Annotated[Leadership | None, Depends(get_lease)]

@@ -30,6 +30,7 @@ from output_rate_core.ids import (
     MAX_MODEL_LEN,
     MAX_TIER_NAME_LEN,
     MAX_USER_ID_LEN,
+    MAX_VLLM_VERSION_LEN,
 )
 from output_rate_core.keys import KEY_ID_LEN
 from output_rate_core.limits import Enforcement, Scope
@@ -126,6 +127,7 @@ class ConfigState(Base):
         CheckConstraint(
             _enforcement_check("default_enforcement"), name="default_enforcement_valid"
         ),
+        CheckConstraint(_rate_check("default_ceiling"), name="default_ceiling_range"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -133,6 +135,8 @@ class ConfigState(Base):
     default_rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     default_scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     default_enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
+    # tokens/s users may borrow up to (null: no borrowing).
+    default_ceiling: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Maintained by every user write, so listing 1M users needs no COUNT(*) scan.
     num_users: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -144,12 +148,15 @@ class Tier(Base):
         CheckConstraint(_rate_check("rate"), name="rate_range"),
         CheckConstraint(_scope_check("scope"), name="scope_valid"),
         CheckConstraint(_enforcement_check("enforcement"), name="enforcement_valid"),
+        CheckConstraint(_rate_check("ceiling"), name="ceiling_range"),
     )
 
     name: Mapped[str] = mapped_column(_bytewise(MAX_TIER_NAME_LEN), primary_key=True)
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
+    # null: inherit the default's.
+    ceiling: Mapped[int | None] = mapped_column(Integer, nullable=True)
     description: Mapped[str] = mapped_column(Text, default="")
     version: Mapped[int] = mapped_column(Integer)
     # Users assigned to the tier; maintained with every user write (see num_users above).
@@ -158,13 +165,15 @@ class Tier(Base):
 
 
 class UserLimit(Base):
-    """A configured user: its tier and/or its own override rate, scope and enforcement."""
+    """A configured user: its tier and/or its own override rate, scope, enforcement and
+    ceiling."""
 
     __tablename__ = "user_limits"
     __table_args__ = (
         CheckConstraint(_rate_check("rate"), name="rate_range"),
         CheckConstraint(_scope_check("scope"), name="scope_valid"),
         CheckConstraint(_enforcement_check("enforcement"), name="enforcement_valid"),
+        CheckConstraint(_rate_check("ceiling"), name="ceiling_range"),
         # Filter by tier, ordered by user: one index range for GET /limits?tier=.
         Index("ix_user_limits_tier_user", "tier", "user"),
     )
@@ -176,6 +185,8 @@ class UserLimit(Base):
     rate: Mapped[int | None] = mapped_column(Integer, nullable=True)
     scope: Mapped[str | None] = mapped_column(String(SCOPE_LEN), nullable=True)
     enforcement: Mapped[str | None] = mapped_column(String(ENFORCEMENT_LEN), nullable=True)
+    # null: inherit (the tier's, else the default's).
+    ceiling: Mapped[int | None] = mapped_column(Integer, nullable=True)
     version: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
@@ -278,6 +289,9 @@ class Engine(Base):
 
     engine_id: Mapped[str] = mapped_column(String(MAX_ENGINE_ID_LEN), primary_key=True)
     model: Mapped[str] = mapped_column(String(MAX_MODEL_LEN), default="")
+    # The vLLM the engine core said it runs (null: not said, an engine from before HELLO
+    # carried it).
+    vllm_version: Mapped[str | None] = mapped_column(String(MAX_VLLM_VERSION_LEN), nullable=True)
     applied_version: Mapped[int] = mapped_column(Integer, default=0)
     connected: Mapped[bool] = mapped_column(default=False)
     # What the engine's API server (push role "api") applied while it is connected
@@ -321,6 +335,8 @@ class UsageMinute(Base):
     limited_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     limit_weight: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     limited_tokens: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    # Of the tokens, those lent beyond the user's rate (borrowed up to its ceiling).
+    borrowed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class ReplicaLease(Base):

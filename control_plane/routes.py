@@ -35,7 +35,9 @@ async def readyz(db: DatabaseDep, lease: LeaseDep) -> JSONResponse:
     sends traffic only to ready replicas); no token needed, nothing else is said."""
     try:
         with anyio.fail_after(READY_TIMEOUT_S):
-            await anyio.to_thread.run_sync(db.ping)
+            # A black-holed connection never answers: the probe says unready after the
+            # timeout instead of waiting with the ping (the thread is left to finish).
+            await anyio.to_thread.run_sync(db.ping, abandon_on_cancel=True)
     except Exception:
         body = Readiness(status="unready", database="unreachable", **_replica(lease))
         return JSONResponse(body.model_dump(), status_code=503)

@@ -37,6 +37,14 @@ class ErrorOut(BaseModel):
     errors: list[FieldError] | None = None
 
 
+class PreconditionFailedOut(ErrorOut):
+    """412: a versioned write's If-Match is not the record's version; nothing was written."""
+
+    current_version: int | None = Field(
+        description="The record's version now, as its ETag names it (null: no such record)"
+    )
+
+
 class SessionOut(BaseModel):
     name: str = Field(description='"admin" or "viewer:<token name>"')
     can_write: bool
@@ -63,6 +71,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": ErrorOut}}
+PRECONDITION_FAILED: dict[int | str, dict[str, Any]] = {
+    412: {
+        "model": PreconditionFailedOut,
+        "description": "If-Match names a version that is no longer the record's: nothing "
+        "was written (the ETag header is the current one)",
+    }
+}
 
 MERGE_PATCH = "application/merge-patch+json"
 

@@ -6,13 +6,21 @@ message naming its variable (docs/control-plane.md, "Settings")."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.curve_keys import AllowList, check_z85_key, parse_allow_list
-from output_rate_core.protocol import HEARTBEAT_INTERVAL_S
+from control_plane.fleet.allocator import DELIVERY_MARGIN_S, min_gone_after_s
+from output_rate_core.http_guard import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_HEAD_BYTES,
+    MAX_TIMEOUT_S,
+)
+from output_rate_core.outage import FRACTION, KEEP, MAX_OUTAGE_KEEP_S, SERVING, OutagePolicy
+from output_rate_core.protocol import HEARTBEAT_INTERVAL_S, SERVER_SILENCE_S
 
 logger = logging.getLogger("control_plane")
 
@@ -57,6 +65,13 @@ class Settings(BaseSettings):
     # dropped from the fleet and its part goes to the others.
     share_lease_s: float = Field(default=DEFAULT_SHARE_LEASE_S, ge=1.0, le=3600.0)
     share_gone_after_s: float | None = Field(default=None, le=86_400.0)
+    # What engines do when their lease ends, the control plane gone (docs/fleet.md,
+    # "Outage, engine death, partition"): "serving", each user at L / the engines serving
+    # it; "keep", the last shares for outage_keep_s more, then as "serving"; "fraction",
+    # each user at outage_fraction x L on every engine (the bound traded for service).
+    outage_policy: Literal["serving", "keep", "fraction"] = SERVING
+    outage_keep_s: float | None = Field(default=None, ge=1.0, le=MAX_OUTAGE_KEEP_S)
+    outage_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
     # Days of per-minute usage history kept (GET /usage/history); older minutes are pruned.
     usage_retention_days: int = Field(default=7, ge=1, le=3650)
     # API keys (docs/control-plane.md, "API keys"): live keys one user may hold, and the
@@ -83,10 +98,12 @@ class Settings(BaseSettings):
     )
     # HTTP connections (control_plane/http_server.py, docs/deploy.md): a request head must
     # be complete this long after the connection opened (or after its first byte on a
-    # kept-alive connection); a body, or the reading of a response, may pause this long;
-    # an idle kept-alive connection is closed after this long (uvicorn's, whole seconds).
-    http_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
-    http_idle_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    # kept-alive connection), and at most this many bytes; a body, or the reading of a
+    # response, may pause this long; an idle kept-alive connection is closed after this
+    # long (uvicorn's, whole seconds).
+    http_header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+    http_max_header_bytes: int = Field(default=DEFAULT_MAX_HEAD_BYTES, ge=1024, le=16 * 2**20)
+    http_idle_timeout_s: float = Field(default=DEFAULT_IDLE_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     http_keep_alive_timeout_s: int = Field(default=5, ge=1, le=300)
     # Connections served at once; unset: derived from the open-file limit at start.
     http_max_connections: int | None = Field(default=None, ge=1)
@@ -178,17 +195,85 @@ class Settings(BaseSettings):
                 f"{variable('zmq_client_keys')} needs {variable('zmq_secret_key')}: without "
                 "CURVE no engine key is checked"
             )
-        if self.share_gone_after_s is not None and self.share_gone_after_s < self.share_lease_s:
-            raise ValueError(
-                f"{variable('share_gone_after_s')} must be at least "
-                f"{variable('share_lease_s')} ({self.share_lease_s})"
-            )
+        self._check_outage()
+        self._check_timeouts()
         if not self.engine_retention_s >= self.engine_timeout_s:
             raise ValueError(
                 f"{variable('engine_retention_s')} must be at least "
                 f"{variable('engine_timeout_s')} ({self.engine_timeout_s})"
             )
         return self
+
+    @property
+    def outage(self) -> OutagePolicy:
+        """The outage policy the settings choose (checked at startup: `_check_outage`)."""
+        mode = self.outage_policy
+        keep_s, fraction = self.outage_keep_s, self.outage_fraction
+        return OutagePolicy(
+            mode,
+            keep_s if mode == KEEP and keep_s is not None else 0.0,
+            fraction if mode == FRACTION and fraction is not None else 0.0,
+        )
+
+    def _check_outage(self) -> None:
+        """Each outage setting goes with its policy: a keep time or a fraction the policy
+        would ignore is refused, and so is a policy missing its own."""
+        policy, name = self.outage_policy, variable("outage_policy")
+        for field, mode in (("outage_keep_s", KEEP), ("outage_fraction", FRACTION)):
+            value = getattr(self, field)
+            if policy == mode and value is None:
+                raise ValueError(f"{name}={mode} needs {variable(field)}")
+            if policy != mode and value is not None:
+                raise ValueError(
+                    f"{variable(field)} is set but {name} is {policy}: it applies to "
+                    f"{name}={mode} only (set that, or unset {variable(field)})"
+                )
+
+    def _check_timeouts(self) -> None:
+        """The timeouts against each other (docs/fleet.md, "Numbers"; docs/replicas.md,
+        "Failover"): each message names both variables and the least value that holds."""
+        lease = self.share_lease_s
+        kept = self.outage.kept_s
+        least_gone = min_gone_after_s(lease, kept)
+        if self.share_gone_after_s is not None and self.share_gone_after_s < least_gone:
+            keep_term = f" + {variable('outage_keep_s')} ({kept})" if kept else ""
+            raise ValueError(
+                f"{variable('share_gone_after_s')}={self.share_gone_after_s} is under 2 x "
+                f"{variable('share_lease_s')}{keep_term} + {DELIVERY_MARGIN_S} s = "
+                f"{least_gone}: an engine cut off one way (it hears renewals, the control "
+                "plane hears nothing) would still enforce its share after its part went to "
+                f"the others; set it to at least {least_gone} (or unset it: 3 x the lease"
+                f"{', at least that' if kept else ''})"
+            )
+        # An engine that leaves a dead replica keeps its fleet shares until its lease ends:
+        # a lease shorter than the failover drops every fleet user to its safe share at
+        # every failover.
+        failover = SERVER_SILENCE_S + HEARTBEAT_INTERVAL_S + DELIVERY_MARGIN_S
+        if lease < failover:
+            logger.warning(
+                "%s=%s is under the %s s an engine takes to move to another replica: its "
+                "fleet users fall back to their safe share at every failover",
+                variable("share_lease_s"),
+                lease,
+                failover,
+            )
+        # An engine is shown disconnected, and no longer counted in the fleet size, after
+        # the engine timeout: longer than gone_after, it counts engines the allocator
+        # dropped (safe shares smaller than they need be, never larger: a warning).
+        gone = (
+            self.share_gone_after_s
+            if self.share_gone_after_s is not None
+            else max(3 * lease, least_gone)
+        )
+        if self.engine_timeout_s > gone:
+            logger.warning(
+                "%s=%s is over %s (%s): engines the fleet dropped still count in every safe "
+                "share until then (smaller safe shares than need be)",
+                variable("engine_timeout_s"),
+                self.engine_timeout_s,
+                variable("share_gone_after_s"),
+                gone,
+            )
 
     def allowed_engine_keys(self) -> AllowList:
         """OUTPUT_RATE_ZMQ_CLIENT_KEYS parsed: key -> engine ids it may claim (None: any)."""

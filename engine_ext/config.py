@@ -38,6 +38,14 @@ class OutputRateConfig:
     metrics_idle_s: float = DEFAULT_IDLE_S
     # --data-parallel-size of the server (each rank joins the fleet as its own engine).
     data_parallel_size: int = 1
+    # Where each connection to the control plane keeps the last configuration it applied
+    # (engine_ext/saved_state.py); None: nowhere.
+    state_dir: str | None = None
+    # Ceilings for borrowing idle capacity (tokens/s; docs/scheduler.md, "Borrowing"):
+    # the default's and per user (None: none). Replaced, like the rates, by the control
+    # plane's configuration.
+    default_ceiling: int | None = None
+    user_ceilings: dict[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A list after the round trip through additional_config.
@@ -49,6 +57,9 @@ class OutputRateConfig:
             raise ValueError("metrics_idle_s must be > 0")
         for user, rate in self.user_rates.items():
             validate_rate(rate, field=f"rate of user {user!r}")
+        validate_rate(self.default_ceiling, field="default_ceiling")
+        for user, ceiling in self.user_ceilings.items():
+            validate_rate(ceiling, field=f"ceiling of user {user!r}")
 
     def engine_id_of_rank(self, rank: int) -> str:
         """The engine id a data-parallel rank connects with: the id, plus the rank."""

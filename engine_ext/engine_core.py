@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
+import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from engine_ext import vllm_compat
@@ -70,32 +73,88 @@ def install_wake(engine: Any) -> Callable[[], None] | None:
 def connect_control_plane(scheduler: Any, wake: Callable[[], None], rank: int = 0) -> Any:
     """Start the control-plane client of an engine with an endpoint and attach it.
 
-    Called before the engine's busy loop reads its first request, so a
-    request is never served before the snapshot is applied, unless the
-    control plane does not answer within the snapshot timeout: then the
-    engine serves with its command-line limits and takes the snapshot when
-    it comes.
+    Called before the engine's busy loop reads its first request, so a request is
+    never served before a configuration is in force: the configuration saved by the
+    last run (``--output-rate-state-dir``) from the start, then the control plane's
+    snapshot. If the control plane does not answer within the snapshot timeout, the
+    engine serves with the saved configuration (or, with none saved, its command-line
+    limits) and takes the snapshot when it comes.
     """
     from engine_ext.push_client import PushClient
+    from engine_ext.saved_state import StateFile, StateWriter
 
     config = scheduler.output_rate_config
+    engine_id = config.engine_id_of_rank(rank)
+    state = None if config.state_dir is None else StateFile(config.state_dir, engine_id, "engine")
     client = PushClient(
         endpoints=config.control_plane_endpoints,
-        engine_id=config.engine_id_of_rank(rank),
+        engine_id=engine_id,
         model=str(scheduler.vllm_config.model_config.served_model_name or ""),
         server_public_key=config.control_plane_public_key,
         wake=wake,
+        state=None if state is None else StateWriter(state),
+        capacity=int(scheduler.vllm_config.scheduler_config.max_num_seqs),
     )
+    saved = None if state is None else state.load()
+    if saved is not None:
+        client.enforce_saved(
+            scheduler.output_rate_limiter,
+            saved.snapshot,
+            saved.fleet,
+            scheduler.output_rate_clock_ns(),
+        )
     client.start()
-    if not client.wait_for_snapshot(config.snapshot_timeout_s):
+    endpoints = ",".join(config.control_plane_endpoints)
+    if client.wait_for_snapshot(config.snapshot_timeout_s):
+        scheduler.attach_push_client(client)
+        return client
+    if saved is not None:
         logger.warning(
-            "output-rate: control plane %s not reachable within %.1fs; "
-            "serving with the limits from the command line until it answers",
-            ",".join(config.control_plane_endpoints),
+            "output-rate: control plane %s not reachable within %.1fs; enforcing the "
+            "configuration saved at %s (version %d, %d users, fleet of %d) from %s until "
+            "it answers",
+            endpoints,
             config.snapshot_timeout_s,
+            saved.saved_at_text,
+            saved.snapshot.version,
+            len(saved.snapshot.users),
+            saved.snapshot.num_engines,
+            state.path if state is not None else "",
+        )
+    else:
+        logger.warning(
+            "output-rate: control plane %s not reachable within %.1fs and no saved "
+            "configuration for engine %s; serving with the limits from the command line "
+            "until it answers",
+            endpoints,
+            config.snapshot_timeout_s,
+            engine_id,
         )
     scheduler.attach_push_client(client)
     return client
+
+
+def leave_on_signal(engine: Any, client: Any) -> None:
+    """With vLLM's default shutdown (``--shutdown-timeout 0``) SIGTERM and SIGINT abort every
+    request: the engine serves nothing more from then on, so it leaves the fleet then, in
+    the signal handler before vLLM's own (the API server gives it no time to end its loop
+    first). With a drain timeout it serves its requests on, and leaves when its loop ends.
+    Handlers are the main thread's to set: an engine loop on another thread (tests) leaves
+    when its loop ends."""
+    if not vllm_compat.aborts_on_shutdown(engine):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(signum)
+        if not callable(previous):
+            continue
+
+        def handler(num: int, frame: Any, previous: Callable[[int, Any], Any] = previous) -> None:
+            client.leave()
+            previous(num, frame)
+
+        signal.signal(signum, handler)
 
 
 def idle_wait_after_step(engine: Any, model_executed: bool) -> None:
@@ -119,15 +178,44 @@ def wrap_run_busy_loop(original: Callable[[Any], None]) -> Callable[[Any], None]
         wake = install_wake(self)
         client = None
         if wake is not None and self.scheduler.output_rate_config.control_plane_endpoints:
+            self.scheduler.output_rate_publish_stats = partial(
+                vllm_compat.publish_scheduler_stats, self
+            )
             # engine_index: the data-parallel rank of this engine core (0 without DP).
             client = connect_control_plane(self.scheduler, wake, vllm_compat.engine_index(self))
+            leave_on_signal(self, client)
         try:
             original(self)
         finally:
             if client is not None:
-                client.close()
+                # The loop is over (shutdown, or a fatal error): this engine serves nothing
+                # more, so the control plane hands its fleet shares to the others now.
+                client.close(leave=True)
 
     return run_busy_loop
+
+
+# How long the API server waits for an engine core whose requests it aborts on shutdown
+# (vLLM's default --shutdown-timeout 0) before it force-kills it. Upstream gives it no time
+# at all (only ROCm a grace): in this window its SIGTERM handler runs and its Leaving goes
+# out (leave_on_signal), so the control plane hands its fleet shares to the other engines
+# now instead of after the silence of a dead engine (docs/fleet.md). It exits as soon as
+# it is done; the API server waits no longer than that.
+LEAVING_GRACE_S = 2.0
+
+
+def wrap_engine_process_shutdown_timeout(
+    original: Callable[[float | None, float | None], float | None],
+) -> Callable[[float | None, float | None], float | None]:
+    def get_engine_process_shutdown_timeout(
+        request_timeout: float | None, process_timeout: float | None
+    ) -> float | None:
+        timeout = original(request_timeout, process_timeout)
+        if request_timeout == 0 and timeout == 0:
+            return LEAVING_GRACE_S
+        return timeout
+
+    return get_engine_process_shutdown_timeout
 
 
 def wrap_process_engine_step(original: Callable[[Any], bool]) -> Callable[[Any], bool]:

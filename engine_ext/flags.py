@@ -4,25 +4,49 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
 import re
+import socket
 from typing import Any
 
+from engine_ext import vllm_compat
 from engine_ext.config import DEFAULT_SNAPSHOT_TIMEOUT_S, OutputRateConfig
-from engine_ext.identity import MISSING_POLICIES, MODES, IdentityConfig
+from engine_ext.identity import (
+    MIN_OPERATOR_KEY_LEN,
+    MISSING_POLICIES,
+    MODES,
+    OPERATOR_KEY_ENV,
+    IdentityConfig,
+)
 from engine_ext.metrics import DEFAULT_IDLE_S, DEFAULT_MAX_USERS, MAX_METRICS_USERS
-from output_rate_core.ids import check_engine_id, check_user_id
+from engine_ext.saved_state import default_state_dir
+from output_rate_core.http_guard import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+)
+from output_rate_core.ids import MAX_ENGINE_ID_LEN, check_engine_id, check_user_id
 from output_rate_core.rates import MAX_RATE, validate_rate
 
 # A DNS name or a dotted IPv4 address (ZMQ resolves it at each dial).
 _HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
+# What a host name may hold that an engine id may not (output_rate_core/ids.py): replaced.
+_NOT_IN_ENGINE_ID = re.compile(r"[^A-Za-z0-9._:@\[\]-]")
+# Room left in an engine id for ":<port>" and a data-parallel rank's "-dp<rank>".
+_MAX_HOST_IN_ID = MAX_ENGINE_ID_LEN - len(":65535") - len("-dp9999")
+
 # argparse dest -> flag, for error messages and for reading the namespace.
 FLAGS = {
     "default_user_output_tokens_per_second": "--default-user-output-tokens-per-second",
     "user_output_tokens_per_second": "--user-output-tokens-per-second",
+    "default_user_output_tokens_per_second_ceiling": (
+        "--default-user-output-tokens-per-second-ceiling"
+    ),
+    "user_output_tokens_per_second_ceiling": "--user-output-tokens-per-second-ceiling",
     "control_plane_endpoint": "--control-plane-endpoint",
     "output_rate_engine_id": "--output-rate-engine-id",
     "control_plane_public_key": "--control-plane-public-key",
@@ -32,7 +56,11 @@ FLAGS = {
     "output_rate_identity": "--output-rate-identity",
     "output_rate_identity_header": "--output-rate-identity-header",
     "output_rate_identity_missing": "--output-rate-identity-missing",
+    "output_rate_http_header_timeout": "--output-rate-http-header-timeout",
+    "output_rate_http_idle_timeout": "--output-rate-http-idle-timeout",
+    "output_rate_state_dir": "--output-rate-state-dir",
 }
+
 # An HTTP header name is a token (RFC 9110 5.1, 5.6.2).
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
@@ -160,12 +188,41 @@ def parse_idle_seconds(text: str) -> float:
     return value
 
 
+def parse_http_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
+    return value
+
+
+def check_operator_key(key: str) -> bytes:
+    """The operator key as the bytes a request's header carries, or ValueError naming its
+    variable."""
+    if len(key) < MIN_OPERATOR_KEY_LEN or not all("!" <= c <= "~" for c in key):
+        raise ValueError(
+            f"{OPERATOR_KEY_ENV} must be at least {MIN_OPERATOR_KEY_LEN} printable ASCII "
+            "characters without spaces (e.g. `openssl rand -hex 32`)"
+        )
+    return key.encode("ascii")
+
+
 def parse_header_name(text: str) -> str:
     if not _TOKEN.match(text):
         raise argparse.ArgumentTypeError(
             f"must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~), got {text!r}"
         )
     return text
+
+
+def parse_state_dir(text: str) -> str:
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a directory path, got {text!r}")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is no directory")
+    return os.path.abspath(text)
 
 
 def add_flags(parser: Any) -> None:
@@ -189,6 +246,20 @@ def add_flags(parser: Any) -> None:
         "null = unlimited.",
     )
     group.add_argument(
+        FLAGS["default_user_output_tokens_per_second_ceiling"],
+        type=parse_rate,
+        default=None,
+        help="Ceiling (tokens/s, above the rate) up to which users of the default limit "
+        "may borrow capacity no other user needs (default: none, the rate is hard).",
+    )
+    group.add_argument(
+        FLAGS["user_output_tokens_per_second_ceiling"],
+        type=parse_user_rates,
+        default=None,
+        help="JSON object of per-user ceilings, e.g. '{\"user-a\":400}'; null = none "
+        "(the user's rate is hard whatever the default's ceiling).",
+    )
+    group.add_argument(
         FLAGS["control_plane_endpoint"],
         type=parse_endpoint,
         default=None,
@@ -200,8 +271,9 @@ def add_flags(parser: Any) -> None:
         FLAGS["output_rate_engine_id"],
         type=parse_engine_id,
         default=None,
-        help="Name of this engine in the control plane (default: host:port); 1-256 "
-        "letters, digits and . _ - : @ [ ].",
+        help="Name of this engine in the control plane, unique in the fleet (default: "
+        "<hostname>:<port>, the machine's name, not --host); 1-256 letters, digits and "
+        ". _ - : @ [ ].",
     )
     group.add_argument(
         FLAGS["control_plane_public_key"],
@@ -214,6 +286,15 @@ def add_flags(parser: Any) -> None:
         default=DEFAULT_SNAPSHOT_TIMEOUT_S,
         help="Seconds to wait at startup for the control plane's limits before serving "
         "with the limits given on the command line.",
+    )
+    group.add_argument(
+        FLAGS["output_rate_state_dir"],
+        type=parse_state_dir,
+        default=None,
+        help="Directory where the engine keeps the last configuration it applied from the "
+        "control plane (limits, API keys, fleet size; one file per engine id, mode 0600), "
+        "enforced when it starts while no control plane answers (default: "
+        "$VLLM_CACHE_ROOT/output_rate).",
     )
     group.add_argument(
         FLAGS["output_rate_metrics_users"],
@@ -251,14 +332,36 @@ def add_flags(parser: Any) -> None:
         help="With --output-rate-identity header: a request without the header is refused "
         "(401, default) or served as '__anonymous__'.",
     )
+    group.add_argument(
+        FLAGS["output_rate_http_header_timeout"],
+        type=parse_http_timeout,
+        default=None,
+        help="With --output-rate-identity header or api-key: seconds a connection has to "
+        f"send a request head (default {DEFAULT_HEADER_TIMEOUT_S:g}; its size is bounded by "
+        "--h11-max-incomplete-event-size).",
+    )
+    group.add_argument(
+        FLAGS["output_rate_http_idle_timeout"],
+        type=parse_http_timeout,
+        default=None,
+        help="With --output-rate-identity header or api-key: seconds a request body, or the "
+        f"reading of a response, may pause (default {DEFAULT_IDLE_TIMEOUT_S:g}).",
+    )
+
+
+def default_engine_id(port: int | None, hostname: str | None = None) -> str:
+    """``<hostname>:<port>``: the machine's name (never the address the server binds,
+    ``0.0.0.0`` on every pod alike), so engines on one host differ by port and engines
+    on different hosts by name. Characters an engine id may not hold become ``-``."""
+    host = _NOT_IN_ENGINE_ID.sub("-", hostname if hostname is not None else socket.gethostname())
+    host = host[:_MAX_HOST_IN_ID].strip(".") or "localhost"
+    return f"{host}:{port}" if port else host
 
 
 def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
     engine_id = getattr(args, "output_rate_engine_id", None)
     if engine_id is None:
-        host = getattr(args, "host", None) or "0.0.0.0"
-        port = getattr(args, "port", None)
-        engine_id = f"{host}:{port}" if port else host
+        engine_id = default_engine_id(getattr(args, "port", None))
     try:
         check_engine_id(engine_id)
     except ValueError as e:
@@ -266,6 +369,8 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
     return OutputRateConfig(
         default_rate=getattr(args, "default_user_output_tokens_per_second", None),
         user_rates=dict(getattr(args, "user_output_tokens_per_second", None) or {}),
+        default_ceiling=getattr(args, "default_user_output_tokens_per_second_ceiling", None),
+        user_ceilings=dict(getattr(args, "user_output_tokens_per_second_ceiling", None) or {}),
         control_plane_endpoints=getattr(args, "control_plane_endpoint", None) or (),
         engine_id=engine_id,
         control_plane_public_key=getattr(args, "control_plane_public_key", None),
@@ -274,6 +379,7 @@ def config_from_args(args: argparse.Namespace) -> OutputRateConfig:
         ),
         metrics_max_users=getattr(args, "output_rate_metrics_users", DEFAULT_MAX_USERS),
         metrics_idle_s=getattr(args, "output_rate_metrics_idle_seconds", DEFAULT_IDLE_S),
+        state_dir=getattr(args, "output_rate_state_dir", None) or default_state_dir(),
     )
 
 
@@ -288,7 +394,20 @@ def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) 
         raise ValueError(f"{header_flag} is only used with {flag} header")
     if mode != "header" and missing is not None:
         raise ValueError(f"{missing_flag} is only used with {flag} header")
+    # IdentityConfig field -> the flag's dest
+    guard_flags = {
+        "header_timeout_s": "output_rate_http_header_timeout",
+        "idle_timeout_s": "output_rate_http_idle_timeout",
+    }
+    guard = {
+        field: getattr(args, dest)
+        for field, dest in guard_flags.items()
+        if getattr(args, dest, None) is not None
+    }
     if mode == "body":
+        if guard:
+            given = FLAGS[guard_flags[next(iter(guard))]]
+            raise ValueError(f"{given} is only used with {flag} header or api-key")
         return IdentityConfig()
     if not rate_config.enabled:
         raise ValueError(
@@ -296,10 +415,24 @@ def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) 
             "--default-user-output-tokens-per-second, --user-output-tokens-per-second or "
             "--control-plane-endpoint"
         )
+    frontend = vllm_compat.frontend_without_middleware(args)
+    if frontend is not None:
+        option, serving = frontend
+        raise ValueError(
+            f"{flag} {mode} cannot run with {option}: requests would come through {serving}, "
+            "not vLLM's Python HTTP server, where the identity middleware runs (so every "
+            f"caller would name its own user); remove {option} (docs/identity.md)"
+        )
+    operator_key = os.environ.get(OPERATOR_KEY_ENV)
     if mode == "header":
+        if operator_key is not None:
+            raise ValueError(
+                f"{OPERATOR_KEY_ENV} is only used with {flag} api-key (in header mode the "
+                "gateway decides who reaches which route)"
+            )
         if header is None:
             raise ValueError(f"{flag} header needs {header_flag} NAME (the header a gateway sets)")
-        return IdentityConfig(mode="header", header=header, missing=missing or "refuse")
+        return IdentityConfig(mode="header", header=header, missing=missing or "refuse", **guard)
     if not rate_config.control_plane_endpoints:
         raise ValueError(
             f"{flag} api-key needs {FLAGS['control_plane_endpoint']} (the keys come from "
@@ -317,10 +450,18 @@ def identity_from_args(args: argparse.Namespace, rate_config: OutputRateConfig) 
         )
     served = getattr(args, "served_model_name", None)
     model = served[0] if served else getattr(args, "model", "")
+    operator_key_sha256 = (
+        None
+        if operator_key is None
+        else hashlib.sha256(check_operator_key(operator_key)).hexdigest()
+    )
     return IdentityConfig(
         mode="api-key",
         control_plane_endpoints=rate_config.control_plane_endpoints,
         engine_id=rate_config.engine_id,
         model=str(model or ""),
         control_plane_public_key=rate_config.control_plane_public_key,
+        operator_key_sha256=operator_key_sha256,
+        state_dir=rate_config.state_dir,
+        **guard,
     )

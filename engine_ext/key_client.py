@@ -14,6 +14,7 @@ stops working when its op arrives.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class _PreparedKeys(Prepared):
 class KeyClient(PushConnection):
     role: p.Role = p.API_ROLE
     kept = "API keys"
+    held_without_snapshot = "no API keys (every request gets 503)"
 
     def __init__(self, *, key_use_interval_s: float = p.KEY_USE_INTERVAL_S, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -38,21 +40,26 @@ class KeyClient(PushConnection):
         self._next_key_use_at = time.monotonic() + key_use_interval_s
         # key id -> last use (Unix seconds), since the last report; written by the event loop
         self._used: dict[str, float] = {}
+        # Called on the IO thread once keys changed (a snapshot, a key op): the middleware
+        # ends the requests running with a key that is gone.
+        self.on_change: Callable[[], None] = lambda: None
 
     def note_use(self, key_id: str) -> None:
         """Record that a request was let through with this key (event loop thread)."""
         self._used[key_id] = time.time()
 
     def _prepare(self, snapshot: p.Snapshot) -> _PreparedKeys:
-        return _PreparedKeys(snapshot.version, KeyTable.from_snapshot(snapshot))
+        return _PreparedKeys(snapshot.version, snapshot, KeyTable.from_snapshot(snapshot))
 
     def _install_snapshot(self, prepared: Prepared) -> None:
         assert isinstance(prepared, _PreparedKeys)
         self.table = prepared.table
+        self.on_change()
 
     def _apply_op(self, op: p.Op) -> None:
         # One dict item set or removed: atomic for the event loop's single lookup.
-        self.table.apply(op)
+        if self.table.apply(op):
+            self.on_change()
 
     def _on_io_tick(self) -> None:
         self._drain()

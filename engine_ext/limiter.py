@@ -11,7 +11,8 @@ seconds is exactly ``TOKEN`` units and the arithmetic stays in integers.
 
 A rate change re-scales the user's state at once: lowering keeps the
 TAT at the same point in real time (the user waits at most one old interval);
-raising re-prices the tokens still owed at the new rate (faster at once).
+raising keeps the user's credit and re-prices the tokens still owed at the new
+rate (faster at once, and no burst from the raise itself).
 
 A user (or the default) can be in shadow: the hot path (``try_take``,
 ``take_many``, ``num_available``) sees it as unlimited, so the planner schedules it
@@ -19,6 +20,17 @@ as one, and ``shadow_take`` charges what it was served after the step on a GCRA
 state of its own, exactly as ``take_many`` would have, counting what enforcement
 would have refused. Switching between shadow and enforce moves the state across, so
 enforcement starts from the user's real recent use.
+
+Borrowing (docs/scheduler.md, "Borrowing"): a user with an enforced rate may carry a
+ceiling above it. Its tokens beyond the rate are *borrowed*: they never touch the rate
+state, only a second GCRA state at the extra rate (ceiling - rate, same burst), so in any
+window the rate's tokens and the borrowed ones together stay within the ceiling's bound
+(plus one token). Borrowed tokens are also charged to a virtual counter per user,
+``1/rate`` per token, which the planner uses to share spare capacity among borrowers in
+proportion to their rates; a borrower coming back is lifted to the virtual time of the
+last token lent in that order, so idle time is never banked. The planner alone decides
+when a token may be borrowed (only when no other user needs the capacity). Shadow and
+unlimited users never borrow: a ceiling counts only on top of an enforced rate.
 """
 
 from __future__ import annotations
@@ -70,11 +82,14 @@ class _UserState:
 
     def rescale(self, new_rate: int, now_ns: int, burst_ns: int) -> None:
         old_rate = self.rate
-        debt = self.tat_scaled - now_ns * old_rate
-        if new_rate > old_rate and debt > 0:
-            # Raising: the tokens still owed are repaid at the new, faster
-            # rate, so the user speeds up at once.
-            self.tat_scaled = now_ns * new_rate + debt
+        if new_rate > old_rate:
+            # Raising: the user keeps its credit (the tokens it may take at once:
+            # the old burst less what it owes). What it owes is repaid at the new,
+            # faster rate, so it speeds up at once; the larger burst fills at the new
+            # rate, never at once: a rate moved up and down again (a fleet share)
+            # adds no burst (docs/fleet.md, "The bound").
+            debt = max(0, self.tat_scaled - now_ns * old_rate)
+            self.tat_scaled = now_ns * new_rate + burst_ns * (new_rate - old_rate) + debt
         else:
             # Lowering: the TAT stays at the same point in real time (rounded
             # up), so the user waits at most one old interval, never a backlog
@@ -82,6 +97,15 @@ class _UserState:
             self.tat_scaled = -(-self.tat_scaled * new_rate // old_rate)
         self.rate = new_rate
         self.burst_scaled = burst_ns * new_rate
+
+    def take(self, now_ns: int) -> bool:
+        """One GCRA step at ``now_ns``: take a token if it fits the burst."""
+        now_scaled = now_ns * self.rate
+        tat = self.tat_scaled
+        if tat - now_scaled > self.burst_scaled:
+            return False
+        self.tat_scaled = (tat if tat > now_scaled else now_scaled) + TOKEN
+        return True
 
 
 class OutputRateLimiter:
@@ -110,6 +134,18 @@ class OutputRateLimiter:
         self._shadow_states: dict[str, _UserState] = {}
         for user, rate in (user_rates or {}).items():
             self._user_rates[user] = _milli(validate_rate(rate, field=f"rate of user {user!r}"))
+        # Ceilings (milli-tokens/s): user -> its own (None: none), else the default's.
+        # Only read for users with an enforced finite rate (``borrow_milli_of``).
+        self._ceilings: dict[str, int | None] = {}
+        self._default_ceiling: int | None = None
+        self._num_user_ceilings = 0  # entries of ``_ceilings`` that are not None
+        # user -> GCRA state of its borrowed tokens, at the extra rate (re-scaled lazily
+        # when the rate or the ceiling changed).
+        self._borrow_states: dict[str, _UserState] = {}
+        # user -> virtual time (ns x 1/rate per borrowed token), and the virtual time of
+        # the last token lent: the weighted-fair order of borrowers.
+        self._vtimes: dict[str, int] = {}
+        self._vclock = 0
         # Overrides with a finite rate; with the default, decides is_unlimited.
         self._num_limited_overrides = sum(r is not None for r in self._user_rates.values())
         # Cached so the scheduler can check it every step for free.
@@ -175,6 +211,28 @@ class OutputRateLimiter:
         )
 
     @property
+    def has_ceilings(self) -> bool:
+        """True when some user may borrow (the planner's borrowing pass has work)."""
+        return self._default_ceiling is not None or self._num_user_ceilings > 0
+
+    def ceiling_milli_of(self, user: str) -> int | None:
+        """The ceiling set for the user, its own or the default's (None: none)."""
+        ceilings = self._ceilings
+        return ceilings.get(user, self._default_ceiling)
+
+    def borrow_milli_of(self, user: str) -> int | None:
+        """ceiling - rate: how fast the user may borrow (None: it may not; shadow and
+        unlimited users never do)."""
+        rate = self._user_rates.get(user, self._default_rate)
+        if rate is None:
+            return None
+        ceilings = self._ceilings
+        ceiling = ceilings.get(user, self._default_ceiling)
+        if ceiling is None or ceiling <= rate:
+            return None
+        return ceiling - rate
+
+    @property
     def num_tracked_users(self) -> int:
         return len(self._states)
 
@@ -190,12 +248,7 @@ class OutputRateLimiter:
                 return True
             self._states[user] = _UserState(self._clock_ns() * rate + TOKEN, rate, self._burst_ns)
             return True
-        now_scaled = self._clock_ns() * state.rate
-        tat = state.tat_scaled
-        if tat - now_scaled > state.burst_scaled:
-            return False
-        state.tat_scaled = (tat if tat > now_scaled else now_scaled) + TOKEN
-        return True
+        return state.take(self._clock_ns())
 
     def take_many(self, num_wanted: Mapping[str, int]) -> dict[str, int]:
         """Take up to ``n`` (>= 1) tokens for every ``user: n``, at one clock reading.
@@ -259,6 +312,63 @@ class OutputRateLimiter:
             state.tat_scaled = base + num_got * TOKEN if num_got else tat
         return num_refused
 
+    # ---- borrowing -------------------------------------------------------
+
+    def borrow_tag(self, user: str) -> int:
+        """The user's virtual time, lifted to that of the last token lent: the lowest
+        tag borrows first (a user coming back banks nothing for its idle time)."""
+        vtime = self._vtimes.get(user, 0)
+        if vtime < self._vclock:
+            vtime = self._vtimes[user] = self._vclock
+        return vtime
+
+    def try_borrow(self, user: str, *, in_order: bool = True) -> bool:
+        """Lend the user one token beyond its rate if its ceiling allows it now (the
+        planner decides whether capacity is spare). Charges the borrow state and the
+        virtual time, never the rate state.
+
+        ``in_order``: the token goes to the lowest tag (the planner's lending order), so
+        its tag is the virtual clock's new reading. A token lent out of that order (at
+        admission, in queue order) charges the user but leaves the clock: moved up to a
+        tag above other borrowers', it would lift them and cancel what they are owed."""
+        extra = self.borrow_milli_of(user)
+        if extra is None:
+            return False
+        now = self._clock_ns()
+        state = self._borrow_states.get(user)
+        if state is None:
+            state = self._borrow_states[user] = _UserState(now * extra, extra, self._burst_ns)
+        elif state.rate != extra:
+            state.rescale(extra, now, self._burst_ns)
+        if not state.take(now):
+            return False
+        vtime = self.borrow_tag(user)
+        if in_order:
+            self._vclock = vtime
+        self._vtimes[user] = vtime + self._vtime_per_token(user)
+        return True
+
+    def refund_borrowed(self, user: str, num: int = 1) -> None:
+        """Give back ``num`` tokens lent in this step (exactly undoes ``try_borrow``'s
+        charges; the virtual clock stays)."""
+        state = self._borrow_states.get(user)
+        if state is not None:
+            state.tat_scaled -= num * TOKEN
+        if user in self._vtimes:
+            self._vtimes[user] -= num * self._vtime_per_token(user)
+
+    def borrow_ready_at_ns(self, user: str) -> int:
+        """Earliest clock time at which the user's ceiling lets it borrow again."""
+        state = self._borrow_states.get(user)
+        if state is None:
+            return 0
+        return -(-(state.tat_scaled - state.burst_scaled) // state.rate)
+
+    def _vtime_per_token(self, user: str) -> int:
+        rate = self._user_rates.get(user, self._default_rate)
+        # ns per token at the user's rate: borrowers share in proportion to their rates.
+        return TOKEN // rate if rate else TOKEN
+
     def num_available(self, user: str, limit: int) -> int:
         """How many of ``limit`` calls of ``try_take(user)`` would succeed now; takes none."""
         state = self._states.get(user)
@@ -275,6 +385,46 @@ class OutputRateLimiter:
         state = self._states.get(user)
         if state is not None:
             state.tat_scaled -= num * TOKEN
+
+    def refund_settled(
+        self, user: str, num: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None:
+        """Give back ``num`` tokens taken in an earlier step, as if never taken.
+
+        ``later_takes``: (clock time, tokens) of the user's takes since then,
+        oldest first. The TAT goes no lower than those takes alone give: a take
+        that started from ``now`` (the user was idle) already absorbed the
+        refunded tokens, and undoing them again would hand them out twice.
+        """
+        state = self._states.get(user)
+        if state is None:
+            return
+        tat = state.tat_scaled - num * TOKEN
+        floor: int | None = None
+        for at_ns, num_taken in later_takes:
+            at_scaled = at_ns * state.rate
+            floor = (at_scaled if floor is None or at_scaled > floor else floor) + (
+                num_taken * TOKEN
+            )
+        if floor is not None and tat < floor:
+            tat = floor
+        if tat < state.tat_scaled:
+            state.tat_scaled = tat
+
+    def take_late(self, num_received: Mapping[str, int]) -> None:
+        """Charge tokens users received beyond what they were charged, whatever the
+        budget (the TAT may go past the burst: the user waits for them)."""
+        now = self._clock_ns()
+        for user, num in num_received.items():
+            state = self._states.get(user)
+            if state is None:
+                rate = self._user_rates.get(user, self._default_rate)
+                if rate is None:
+                    continue
+                state = self._states[user] = _UserState(now * rate, rate, self._burst_ns)
+            now_scaled = now * state.rate
+            tat = state.tat_scaled
+            state.tat_scaled = (tat if tat > now_scaled else now_scaled) + num * TOKEN
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock time at which ``try_take(user)`` can succeed."""
@@ -293,6 +443,7 @@ class OutputRateLimiter:
             default_shadow=self.default_is_shadow,
             shadow_users=self._shadow_rates.keys(),
         )
+        limiter.replace_ceilings(self._default_ceiling, self._ceilings)
         return limiter
 
     # ---- hot swap ------------------------------------------------------
@@ -314,6 +465,7 @@ class OutputRateLimiter:
         self._sync_states([user])
 
     def clear_rate(self, user: str) -> None:
+        """The user takes the default's rate (its ceiling is set apart)."""
         self._forget_override(user)
         self._sync_states([user])
 
@@ -364,13 +516,42 @@ class OutputRateLimiter:
         self._num_limited_overrides = sum(r is not None for r in new_rates.values())
         self._sync_states([*self._states, *self._shadow_states])
 
+    def set_milli_ceiling(self, user: str, milli: int | None) -> None:
+        """The user's own ceiling (None: it borrows nothing, whatever the default's).
+        Counts only above an enforced rate; kept while the user's rate changes."""
+        milli = validate_milli_rate(milli, field=f"ceiling of user {user!r}")
+        self._num_user_ceilings += (milli is not None) - (self._ceilings.get(user) is not None)
+        self._ceilings[user] = milli
+
+    def clear_ceiling(self, user: str) -> None:
+        """The user takes the default's ceiling."""
+        self._num_user_ceilings -= self._ceilings.pop(user, None) is not None
+
+    def set_default_milli_ceiling(self, milli: int | None) -> None:
+        self._default_ceiling = validate_milli_rate(milli, field="default ceiling")
+
+    def replace_ceilings(
+        self, default_milli: int | None, user_millis: Mapping[str, int | None]
+    ) -> None:
+        """Install every ceiling at once (users not named take the default's)."""
+        self.set_default_milli_ceiling(default_milli)
+        self._ceilings = {
+            user: validate_milli_rate(milli, field=f"ceiling of user {user!r}")
+            for user, milli in user_millis.items()
+        }
+        self._num_user_ceilings = sum(c is not None for c in self._ceilings.values())
+
     def cleanup_idle_users(self) -> None:
         """Forget users whose TAT is behind now; re-creating them is equivalent."""
         now = self._clock_ns()
-        for states in (self._states, self._shadow_states):
+        for states in (self._states, self._shadow_states, self._borrow_states):
             idle = [u for u, s in states.items() if s.tat_scaled <= now * s.rate]
             for user in idle:
                 del states[user]
+        # A virtual time at or behind the clock's is lifted to it on return anyway.
+        vclock = self._vclock
+        for user in [u for u, v in self._vtimes.items() if v <= vclock]:
+            del self._vtimes[user]
 
     def _sync_states(self, users: Iterable[str]) -> None:
         """Re-establish the invariant for ``users`` after their rate or enforcement

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import get_args
 
 import msgspec
 from prometheus_client.core import (
@@ -34,6 +35,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from output_rate_core import protocol as p
 
 # The SchedulerStats attribute that carries the snapshot (engine_ext/stat_logger.py).
 PAYLOAD_FIELD = "output_rate"
@@ -46,6 +49,8 @@ DEFAULT_MAX_USERS = 20
 MAX_METRICS_USERS = 1000
 DEFAULT_IDLE_S = 60.0
 SNAPSHOT_INTERVAL_NS = 1_000_000_000
+# Why the control plane refuses an engine id.
+REFUSAL_REASONS: tuple[str, ...] = get_args(p.RefusalReason)
 # Engine-side interval between a throttled user's consecutive tokens (seconds).
 INTERVAL_BUCKETS = (
     0.001,
@@ -64,8 +69,8 @@ INTERVAL_BUCKETS = (
 )
 
 # user -> [tokens granted, request-steps throttled, last active (clock ns),
-#          request-steps a shadow limit would have throttled]
-_GRANTED, _THROTTLED, _LAST_ACTIVE, _WOULD_THROTTLE = 0, 1, 2, 3
+#          request-steps a shadow limit would have throttled, tokens borrowed]
+_GRANTED, _THROTTLED, _LAST_ACTIVE, _WOULD_THROTTLE, _BORROWED = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class SchedulerFigures:
     fleet_size: int | None = None
     num_shares: int | None = None
     shares_leased: bool | None = None
+    # Claims of its engine id the control plane refused, by reason; None without one.
+    refusals: Mapping[str, int] | None = None
 
 
 # ---- the snapshot that crosses from the engine-core process to the API server ----
@@ -99,6 +106,8 @@ class UserFigures(msgspec.Struct, array_like=True, frozen=True):
     # Seconds since the user was last granted or refused a token.
     idle_s: float
     num_would_throttle: int = 0
+    # Tokens lent beyond the rate, within the ceiling (a part of num_granted).
+    num_borrowed: int = 0
 
 
 class TierIntervals(msgspec.Struct, array_like=True, frozen=True):
@@ -125,6 +134,8 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     num_shares: int | None = None
     shares_leased: bool | None = None
     num_other_would_throttle: int = 0
+    refusals: dict[str, int] | None = None
+    num_other_borrowed: int = 0
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -175,7 +186,7 @@ class EngineMetrics:
         self.idle_ns = int(idle_s * 1e9)
         self.clock_ns = clock_ns
         self.users: dict[str, list[int]] = {}
-        self.other = [0, 0, 0, 0]
+        self.other = [0, 0, 0, 0, 0]
         self.num_throttled_resident = 0
         self.intervals: dict[str, IntervalHistogram] = {}
         # Users throttled in the last two usage intervals -> their tier's histogram.
@@ -195,9 +206,11 @@ class EngineMetrics:
         throttled: Mapping[str, int],
         tier_of: Callable[[str], str | None] = lambda user: None,
         would_throttle: Mapping[str, int] | None = None,
+        borrowed: Mapping[str, int] | None = None,
     ) -> None:
-        """Count one usage interval's per-user tokens granted, request-steps refused and
-        request-steps a shadow limit would have refused.
+        """Count one usage interval's per-user tokens granted, request-steps refused,
+        request-steps a shadow limit would have refused and tokens borrowed (users that
+        borrowed are in ``granted`` too).
 
         The scheduler starts new running counts after this call.
         """
@@ -205,6 +218,7 @@ class EngineMetrics:
         now = self.clock_ns()
         users = self.users
         would = would_throttle or {}
+        lent = borrowed or {}
         # Served users with would-throttles are in ``granted`` too.
         active = set(granted).union(throttled)
         new = [u for u in active if u not in users]
@@ -213,7 +227,7 @@ class EngineMetrics:
             new.sort(key=lambda u: -(granted.get(u, 0) + throttled.get(u, 0)))
             for user in new[: max(free, 0)]:
                 if user != OTHER_USER:
-                    users[user] = [0, 0, now, 0]
+                    users[user] = [0, 0, now, 0, 0]
         other = self.other
         for user in active:
             series = users.get(user)
@@ -224,6 +238,7 @@ class EngineMetrics:
             series[_GRANTED] += granted.get(user, 0)
             series[_THROTTLED] += throttled.get(user, 0)
             series[_WOULD_THROTTLE] += would.get(user, 0)
+            series[_BORROWED] += lent.get(user, 0)
         self._watch(set(throttled), tier_of)
 
     def _watch(self, throttled: set[str], tier_of: Callable[[str], str | None]) -> None:
@@ -308,12 +323,14 @@ class EngineMetrics:
                     rate_of(user),
                     (now - s[_LAST_ACTIVE]) / 1e9,
                     s[_WOULD_THROTTLE],
+                    s[_BORROWED],
                 )
                 for user, s in users.items()
             },
             num_other_granted=self.other[_GRANTED],
             num_other_throttled=self.other[_THROTTLED],
             num_other_would_throttle=self.other[_WOULD_THROTTLE],
+            num_other_borrowed=self.other[_BORROWED],
             idle_s=self.idle_ns / 1e9,
             default_rate=figures.default_rate,
             num_throttled_resident=self.num_throttled_resident,
@@ -324,6 +341,7 @@ class EngineMetrics:
             fleet_size=figures.fleet_size,
             num_shares=figures.num_shares,
             shares_leased=figures.shares_leased,
+            refusals=None if figures.refusals is None else dict(figures.refusals),
             intervals={
                 tier: TierIntervals(list(h.counts), h.sum) for tier, h in self.intervals.items()
             },
@@ -382,6 +400,12 @@ class _Users:
             "Request-steps a shadow limit would have refused per user (they were served)",
             labels=USER_LABELS,
         )
+        self.borrowed = CounterMetricFamily(
+            "vllm:output_rate_borrowed_tokens",
+            "Output tokens granted per user beyond its rate, within its ceiling (a part of"
+            " the granted tokens)",
+            labels=USER_LABELS,
+        )
         self.limit = GaugeMetricFamily(
             "vllm:output_rate_user_limit_tokens_per_second",
             "Effective limit of each user with a series (absent: unlimited)",
@@ -399,15 +423,17 @@ class _Users:
             self.granted.add_metric([*labels, user], figures.num_granted)
             self.throttled.add_metric([*labels, user], figures.num_throttled)
             self.would_throttle.add_metric([*labels, user], figures.num_would_throttle)
+            self.borrowed.add_metric([*labels, user], figures.num_borrowed)
             if figures.rate is not None:
                 self.limit.add_metric([*labels, user], figures.rate)
         self.granted.add_metric([*labels, OTHER_USER], snapshot.num_other_granted)
         self.throttled.add_metric([*labels, OTHER_USER], snapshot.num_other_throttled)
         self.would_throttle.add_metric([*labels, OTHER_USER], snapshot.num_other_would_throttle)
+        self.borrowed.add_metric([*labels, OTHER_USER], snapshot.num_other_borrowed)
         return num_tracked
 
     def families(self) -> tuple[Metric, ...]:
-        return (self.granted, self.throttled, self.would_throttle, self.limit)
+        return (self.granted, self.throttled, self.would_throttle, self.borrowed, self.limit)
 
 
 class _Engines:
@@ -449,6 +475,12 @@ class _Engines:
             "1 while in sync with the control plane, 0 while it is silent or resyncing",
             labels=ENGINE_LABELS,
         )
+        self.refusals = CounterMetricFamily(
+            "vllm:output_rate_control_plane_refusals",
+            "Claims of this engine's id the control plane refused, by reason "
+            "(engine_id_in_use: another live engine has the id)",
+            labels=[*ENGINE_LABELS, "reason"],
+        )
 
     def add(self, labels: list[str], snapshot: MetricsSnapshot, *, num_tracked: int) -> None:
         self.tracked.add_metric(labels, num_tracked)
@@ -460,6 +492,10 @@ class _Engines:
         if snapshot.config_version is not None:
             self.version.add_metric(labels, snapshot.config_version)
             self.connected.add_metric(labels, 1 if snapshot.connected else 0)
+        if snapshot.refusals is not None:
+            # Every reason from the start, so an alert sees the first refusal as an increase.
+            for reason in REFUSAL_REASONS:
+                self.refusals.add_metric([*labels, reason], snapshot.refusals.get(reason, 0))
 
     def families(self) -> tuple[Metric, ...]:
         return (
@@ -470,6 +506,7 @@ class _Engines:
             self.reclaimed,
             self.version,
             self.connected,
+            self.refusals,
         )
 
 
@@ -515,7 +552,8 @@ class _Fleet:
         )
         self.leased = GaugeMetricFamily(
             "vllm:output_rate_fleet_lease_valid",
-            "1 while the fleet shares' lease holds, 0 once it ran out (safe shares apply)",
+            "1 while the fleet shares' lease (and a keep time) holds, 0 once it ran out (outage "
+            "shares apply)",
             labels=ENGINE_LABELS,
         )
 

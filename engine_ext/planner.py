@@ -10,7 +10,9 @@ of the waiting queues, and decides with the limiter:
 - which are throttled (refused; they stay resident and are skipped),
 - which are parked (have a token but no active slot; skipped and refunded),
 - which throttled requests give their worker slot back (reclaim victims),
-- the admission cap for this step.
+- the admission cap for this step,
+- which throttled requests of users with a ceiling borrow a token (``_lend_spare``:
+  only when no other user needs the capacity, shared by weighted fair order).
 
 Users in shadow are unlimited to the plan (the limiter's hot path sees them so);
 ``settle`` charges them what they were served and counts what enforcement would
@@ -29,6 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heapreplace
 from operator import attrgetter, is_
 from typing import Any, Protocol
 
@@ -55,7 +58,7 @@ class RequestLike(Protocol):
     arrival_time: float
 
     @property
-    def num_tokens_with_spec(self) -> int: ...
+    def num_tokens(self) -> int: ...
 
 
 class WaitingLike(Protocol):
@@ -100,6 +103,9 @@ class StepPlan:
     parked: list[RequestLike] = field(default_factory=list)
     # Throttled requests to preempt so that users with budget get their slots.
     victims: list[RequestLike] = field(default_factory=list)
+    # Requests of users over their rate lent a token within their ceiling: capacity no
+    # other user needs this step (``StepPlanner._lend_spare``); run after the others.
+    borrowed: list[RequestLike] = field(default_factory=list)
     # user -> that user's ``charged`` requests; built only when needed.
     granted_by_user: dict[str, list[RequestLike]] | None = None
     # Admission cap for upstream this step (None: upstream's own).
@@ -123,27 +129,37 @@ class AdmissionGate:
     stays refused for the step, so the rest of its queue costs nothing.
     """
 
-    __slots__ = ("charged", "limiter", "note_refused", "refused")
+    __slots__ = ("borrowed", "charged", "lends", "limiter", "note_refused", "refused")
 
     def __init__(
         self,
         limiter: OutputRateLimiter,
         refused: set[str],
         note_refused: Callable[[str, int], None],
+        lends: bool = False,
     ) -> None:
         self.limiter = limiter
         self.refused = refused
         self.note_refused = note_refused
+        # Whether a user over its rate may borrow its admission token (no user waiting
+        # has budget: nobody else would be admitted this step).
+        self.lends = lends
         # request id -> waiting request charged one token this step.
         self.charged: dict[str, RequestLike] = {}
+        # request id -> waiting request lent one token (beyond its user's rate).
+        self.borrowed: dict[str, RequestLike] = {}
 
     def admits(self, user: str, request: RequestLike) -> bool:
-        if request.request_id in self.charged:
+        request_id = request.request_id
+        if request_id in self.charged or request_id in self.borrowed:
             return True
         if user in self.refused:
             return False
         if self.limiter.try_take(user):
-            self.charged[request.request_id] = request
+            self.charged[request_id] = request
+            return True
+        if self.lends and self.limiter.try_borrow(user, in_order=False):
+            self.borrowed[request_id] = request
             return True
         self.refused.add(user)
         self.note_refused(user, 1)
@@ -174,8 +190,13 @@ class StepPlanner:
         self.num_granted: dict[str, int] = {}
         self.num_throttled: dict[str, int] = {}
         self.num_would_throttle: dict[str, int] = {}
+        # user -> tokens lent beyond its rate (a part of its granted ones), since last taken.
+        self.num_borrowed: dict[str, int] = {}
         # Whether settle() counts granted tokens (only a reporting engine needs them).
         self.count_granted = False
+        # Whether settle() counts one served token per sampled request; with speculative
+        # decoding the tokens are counted once emitted (engine_ext/drafts.py).
+        self.counts_at_dispatch = True
         # The running list of the last plan and its user -> count, reused
         # while ``running`` holds the same requests in the same order.
         self._last_running: list[RequestLike] = []
@@ -193,6 +214,7 @@ class StepPlanner:
         """Decide this step; the gate is for the waiting queues during upstream's schedule()."""
         self.wakeup_ns = None
         plan = StepPlan()
+        num_running = len(running)
         has_waiting = any(map(len, waiting))
         if len(running) <= slots.max_active:
             running = self._charge_covered(plan, running, waiting if has_waiting else ())
@@ -204,10 +226,90 @@ class StepPlanner:
                 self._steal_turns_for_waiting(plan, waiting, slots)
             if plan.throttled:
                 refused = self._choose_reclaim_victims(plan, waiting, slots, step)
+        lends = False
+        if self.limiter.has_ceilings and not plan.parked and not plan.victims:
+            # Nobody else needs the capacity: no active slot is short (nothing parked,
+            # nothing reclaimed) and no user waiting has budget to be admitted.
+            lends = not (has_waiting and self._waiting_has_budget(waiting))
+            if lends and plan.throttled:
+                self._lend_spare(plan, num_running, slots)
         if plan.throttled:
             # Throttled requests hold a worker slot but no active slot.
             plan.admission_cap = min(slots.max_active + len(plan.throttled), slots.max_running)
-        return plan, AdmissionGate(self.limiter, refused, self._note_refused)
+        return plan, AdmissionGate(self.limiter, refused, self._note_refused, lends)
+
+    def _waiting_has_budget(self, waiting: tuple[WaitingLike, ...]) -> bool:
+        """Whether some user with waiting requests could be admitted at its rate now."""
+        num_available = self.limiter.num_available
+        return any(num_available(user, 1) for queue in waiting for user in queue.users())
+
+    def _lend_spare(self, plan: StepPlan, num_running: int, slots: Slots) -> None:
+        """Lend tokens beyond their rates to throttled requests of users with a ceiling,
+        into the active slots no running request of this step takes.
+
+        Called only when no other user needs the capacity. One token at a time to the
+        borrower with the lowest virtual time (the limiter charges it ``1/rate`` per
+        token lent), so spare capacity is shared in proportion to the borrowers' rates;
+        each borrower's streams in rotation order. A borrower whose ceiling refuses it
+        drops out for the step. The requests lent a token leave ``throttled`` and are
+        not counted as refused.
+        """
+        num_free = slots.max_active - (num_running - len(plan.throttled))
+        if num_free <= 0:
+            return
+        limiter = self.limiter
+        users = self.users
+        # user -> its throttled streams, in rotation order (only users that may borrow),
+        # and the users that may not (no ceiling above an enforced rate).
+        streams_of: dict[str, list[RequestLike]] = {}
+        cannot_borrow: set[str] = set()
+        for request in plan.throttled:
+            user = users[request]
+            streams = streams_of.get(user)
+            if streams is None:
+                if user in cannot_borrow:
+                    continue
+                if limiter.borrow_milli_of(user) is None:
+                    cannot_borrow.add(user)
+                    continue
+                streams = streams_of[user] = []
+            streams.append(request)
+        if not streams_of:
+            return
+        heap = [(limiter.borrow_tag(u), u) for u in streams_of]
+        heapify(heap)
+        lent: list[RequestLike] = []
+        num_lent: Counter[str] = Counter()
+        while heap and num_free:
+            user = heap[0][1]
+            if not limiter.try_borrow(user):
+                heappop(heap)
+                ready_at = limiter.borrow_ready_at_ns(user)
+                if self.wakeup_ns is None or ready_at < self.wakeup_ns:
+                    self.wakeup_ns = ready_at
+                continue
+            streams = streams_of[user]
+            request = streams.pop(0)
+            lent.append(request)
+            num_lent[user] += 1
+            self._last_served_req[user] = request.request_id
+            num_free -= 1
+            if streams:
+                heapreplace(heap, (limiter.borrow_tag(user), user))
+            else:
+                heappop(heap)
+        if not lent:
+            return
+        lent_ids = {id(r) for r in lent}
+        plan.throttled = [r for r in plan.throttled if id(r) not in lent_ids]
+        plan.borrowed = lent
+        num_throttled = self.num_throttled
+        for user, num in num_lent.items():
+            num_left = num_throttled.get(user, 0) - num
+            if num_left > 0:
+                num_throttled[user] = num_left
+            else:
+                num_throttled.pop(user, None)
 
     def _charge_covered(
         self, plan: StepPlan, running: Sequence[RequestLike], waiting: tuple[WaitingLike, ...]
@@ -279,10 +381,10 @@ class StepPlanner:
             if holds_prefill_chunks and request.is_prefill_chunk:
                 continue  # upstream's prefill cadence skip (0.33.0's lines 822-826)
             num_placeholders = request.num_output_placeholders
-            # Upstream's num_new_tokens before its caps (lines 703-707).
-            num_remaining = (
-                request.num_tokens_with_spec + num_placeholders - request.num_computed_tokens
-            )
+            # Upstream's num_new_tokens before its caps (lines 703-707), without
+            # draft tokens: the step samples iff its chunk reaches the known
+            # sequence's end; drafts are charged apart (engine_ext/drafts.py).
+            num_remaining = request.num_tokens + num_placeholders - request.num_computed_tokens
             # Upstream's decode cadence skip (lines 680-684).
             if num_remaining <= 0 or step < request.next_decode_eligible_step:
                 continue
@@ -553,20 +655,51 @@ class StepPlanner:
         refund = self.limiter.refund
         for request in unsampled:
             refund(users[request])
+        num_lent = (
+            self._settle_borrowed(plan, gate, num_scheduled)
+            if plan.borrowed or gate.borrowed
+            else None
+        )
         if self._reclaimed:
             self._protect_readmitted(gate, num_scheduled, step)
-        has_shadow = self.limiter.has_shadow
-        if self.count_granted or has_shadow:
+        if self.counts_at_dispatch and (self.count_granted or self.limiter.has_shadow):
             num_sampled = self._num_sampled(plan, gate, unsampled)
-            if self.count_granted:
-                num_granted = self.num_granted
-                for user, num in num_sampled.items():
-                    if num > 0:
-                        num_granted[user] = num_granted.get(user, 0) + num
-            if has_shadow:
-                num_would = self.num_would_throttle
-                for user, num in self.limiter.shadow_take(num_sampled).items():
-                    num_would[user] = num_would.get(user, 0) + num
+            if num_lent:
+                num_sampled.update(num_lent)
+            self.count_served(num_sampled)
+
+    def _settle_borrowed(
+        self, plan: StepPlan, gate: AdmissionGate, num_scheduled: Mapping[str, int]
+    ) -> Counter[str]:
+        """Give back the tokens lent to requests that did not sample; returns user ->
+        tokens lent that were (one per request: a borrowed step has no drafts)."""
+        users = self.users
+        limiter = self.limiter
+        num_lent: Counter[str] = Counter()
+        for request in (*plan.borrowed, *gate.borrowed.values()):
+            user = users[request]
+            if request.request_id not in num_scheduled or request.is_prefill_chunk:
+                limiter.refund_borrowed(user)
+            else:
+                num_lent[user] += 1
+        if self.count_granted:
+            num_borrowed = self.num_borrowed
+            for user, num in num_lent.items():
+                num_borrowed[user] = num_borrowed.get(user, 0) + num
+        return num_lent
+
+    def count_served(self, num_served: Mapping[str, int]) -> None:
+        """Count tokens users were served (granted, and what shadow limits would
+        have refused)."""
+        if self.count_granted:
+            num_granted = self.num_granted
+            for user, num in num_served.items():
+                if num > 0:
+                    num_granted[user] = num_granted.get(user, 0) + num
+        if self.limiter.has_shadow:
+            num_would = self.num_would_throttle
+            for user, num in self.limiter.shadow_take(num_served).items():
+                num_would[user] = num_would.get(user, 0) + num
 
     @staticmethod
     def _all_scheduled(
@@ -585,13 +718,15 @@ class StepPlanner:
         if not all(map(is_scheduled, map(_REQUEST_ID, plan.charged))):
             return False
         num_not_covered = len(gate.charged) + sum(map(is_scheduled, plan.classified_ids))
+        if gate.borrowed:
+            num_not_covered += sum(map(is_scheduled, gate.borrowed))
         return len(num_scheduled) - num_not_covered == len(plan.covered)
 
     def _protect_readmitted(
         self, gate: AdmissionGate, num_scheduled: Mapping[str, int], step: int
     ) -> None:
         """Reclaimed requests admitted again are not reclaimed for a while (no thrashing)."""
-        for req_id in gate.charged:
+        for req_id in (*gate.charged, *gate.borrowed):
             if req_id in self._reclaimed and req_id in num_scheduled:
                 self._reclaimed.discard(req_id)
                 self._reclaim_protected_until[req_id] = step + self.reclaim_cooldown_steps
@@ -613,6 +748,12 @@ class StepPlanner:
         usage = self.num_granted, self.num_throttled, self.num_would_throttle
         self.num_granted, self.num_throttled, self.num_would_throttle = {}, {}, {}
         return usage
+
+    def take_borrowed(self) -> dict[str, int]:
+        """Tokens lent beyond their rates per user since the last call (a part of the
+        granted ones)."""
+        num_borrowed, self.num_borrowed = self.num_borrowed, {}
+        return num_borrowed
 
     def cleanup(self, live: Container[str], step: int) -> None:
         """Forget idle users and the reclaim state of finished requests (``live``:

@@ -47,6 +47,7 @@ def register() -> None:
     if limiting_on() and API_SERVER_MODULE in sys.modules:
         _reject_beam_search()  # an extra API server process
         _install_metrics()
+        _guard_connections()
 
 
 def limiting_on() -> bool:
@@ -83,6 +84,9 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
             os.environ[LIMITING_ENV] = "1"
             _reject_beam_search()
             _install_metrics()
+            if rate_config.control_plane_endpoints:
+                # Stopped engine cores get the time to tell the control plane they leave.
+                vllm_compat.apply_patches(vllm_compat.SHUTDOWN_PATCHES)
         return engine_args
 
     return from_cli_args
@@ -107,6 +111,16 @@ def _install_identity(args: argparse.Namespace, identity: IdentityConfig, limiti
     middleware = list(getattr(args, "middleware", None) or [])
     if MIDDLEWARE not in middleware:
         args.middleware = [*middleware, MIDDLEWARE]
+    _guard_connections()
+
+
+def _guard_connections() -> None:
+    """API server process: the connection guard (engine_ext/http_server.py) in uvicorn,
+    in header and api-key mode (the replacement reads the mode when the server starts)."""
+    from engine_ext.identity import IdentityConfig
+
+    if IdentityConfig.from_env().mode != "body":
+        vllm_compat.apply_patches(vllm_compat.HTTP_GUARD_PATCHES)
 
 
 def wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,18 +42,25 @@ from typing import Any
 
 import zmq
 
+from engine_ext import vllm_compat
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
+from engine_ext.saved_state import SavedFleet, StateWriter
 from output_rate_core import protocol as p
-from output_rate_core.ids import MAX_USER_ID_LEN, is_user_id
+from output_rate_core.ids import MAX_USER_ID_LEN, is_user_id, is_vllm_version
 from output_rate_core.zmq_util import ENGINE_SECRET_KEY_ENV, make_socket
 
 logger = logging.getLogger("vllm.output_rate." + __name__)
 
 MAX_RESYNC_WAIT_S = 30.0
-# A replica silent this long is left for the next one (a new socket, a new HELLO): three
-# silences, so a replica restarting on its endpoint within it keeps its engines.
+# With one endpoint, a control plane silent this long gets a new socket (a new HELLO):
+# three silences, so that one restarting on its endpoint within it keeps its engines
+# without a new bind. With several (replicas), the next replica is always there: one
+# silence (SERVER_SILENCE_S) is enough to leave (docs/replicas.md, "Failover").
 RECONNECT_AFTER_S = 3 * p.SERVER_SILENCE_S
+# Every replica turned the engine away (a Goodbye before anything else: each is cut off
+# from its database): this long before the next round.
+ALL_REFUSED_WAIT_S = p.HEARTBEAT_INTERVAL_S
 # Usage reports go at most this often, half the rate the control plane takes (its clock
 # sees them bunched by the network): a report that comes sooner (an engine that goes
 # idle after every short request reports each time) is held, merged with the next one,
@@ -61,6 +68,11 @@ RECONNECT_AFTER_S = 3 * p.SERVER_SILENCE_S
 USAGE_MIN_SPACING_S = 2 / p.MAX_USAGE_REPORTS_PER_S
 # The whole demand map is restated this often (a lost delta heals by then).
 FULL_DEMAND_INTERVAL_S = 5.0
+# How long a closing connection tries to deliver its Leaving frame.
+LEAVING_LINGER_MS = 500
+# A refused engine id is tried again with every heartbeat: one error line this often,
+# with the number of refusals since the last.
+REFUSAL_LOG_INTERVAL_S = 5.0
 
 
 def _reportable(counts: dict[str, int]) -> dict[str, int]:
@@ -76,9 +88,13 @@ _USAGE_ENTRY_ROOM = p.MAX_ENGINE_MESSAGE_BYTES - 4096
 # What a user costs a usage frame at most beyond its id's UTF-8 bytes, in each map it is
 # in: a msgpack string header (at most 3 bytes for an id) and a count (at most 9 bytes).
 _ENTRY_OVERHEAD = 12
-# Reports of at most this many entries (users, summed over both maps) fit one frame
+# Reports of at most this many entries (users, summed over the maps) fit one frame
 # whatever their ids are, so the usual report costs no size estimate.
 _ALWAYS_FITS = _USAGE_ENTRY_ROOM // (4 * MAX_USER_ID_LEN + _ENTRY_OVERHEAD)
+
+
+# A usage report held back (interval, granted, throttled, would-throttle, borrowed).
+_HeldUsage = tuple[float, dict[str, int], dict[str, int], dict[str, int], dict[str, int]]
 
 
 def usage_parts(
@@ -87,21 +103,23 @@ def usage_parts(
     granted: dict[str, int],
     throttled: dict[str, int],
     would_throttle: dict[str, int] | None = None,
+    borrowed: dict[str, int] | None = None,
 ) -> list[p.Usage]:
     """One interval's report as frames the control plane accepts (each at most
     MAX_ENGINE_MESSAGE_BYTES): itself, or parts of it split by users (a user's counts
     in one part), numbered in the order they are to be sent."""
     would = would_throttle or {}
-    whole = p.Usage(engine_id, interval_s, granted, throttled, would_throttle=would)
-    num_entries = len(granted) + len(throttled) + len(would)
+    lent = borrowed or {}
+    whole = p.Usage(engine_id, interval_s, granted, throttled, would_throttle=would, borrowed=lent)
+    num_entries = len(granted) + len(throttled) + len(would) + len(lent)
     # Encoding 40,000 entries to measure them takes ~1 ms (the IO thread encodes again).
     if num_entries <= _ALWAYS_FITS or len(p.encode(whole)) <= _USAGE_ENTRY_ROOM:
         return [whole]
-    users = granted.keys() | throttled.keys() | would.keys()
+    users = granted.keys() | throttled.keys() | would.keys() | lent.keys()
     groups: list[list[str]] = [[]]
     size = 0
     for user in users:
-        num_maps = (user in granted) + (user in throttled) + (user in would)
+        num_maps = (user in granted) + (user in throttled) + (user in would) + (user in lent)
         cost = (len(user.encode()) + _ENTRY_OVERHEAD) * num_maps
         if size + cost > _USAGE_ENTRY_ROOM:
             groups.append([])
@@ -117,6 +135,7 @@ def usage_parts(
             part,
             len(groups),
             {u: would[u] for u in group if u in would},
+            {u: lent[u] for u in group if u in lent},
         )
         for part, group in enumerate(groups)
     ]
@@ -127,6 +146,8 @@ class Prepared:
     """A snapshot made ready off the applying thread (each connection says how)."""
 
     version: int
+    # The snapshot as it arrived (for the saved state; dropped once installed).
+    snapshot: p.Snapshot
 
 
 @dataclass(frozen=True)
@@ -134,21 +155,41 @@ class _PreparedSnapshot(Prepared):
     """An engine's snapshot, decoded and flattened off the engine thread."""
 
     table: LimitTable
-    # The limiter's entries before any share (milli-tokens/s).
+    # The limiter's entries before any share (milli-tokens/s), and its ceilings.
     default_milli: int | None
     millis: dict[str, int | None]
+    default_ceiling: int | None
+    ceilings: dict[str, int | None]
 
     @classmethod
     def of(cls, snapshot: p.Snapshot) -> _PreparedSnapshot:
         table = LimitTable.from_snapshot(snapshot)
-        return cls(snapshot.version, table, table.default_milli(), table.user_millis())
+        return cls(
+            snapshot.version,
+            snapshot,
+            table,
+            table.default_milli(),
+            table.user_millis(),
+            table.default_ceiling_milli(),
+            table.user_ceilings(),
+        )
 
 
 # What the IO thread hands the applying thread: a frame to decode, a snapshot it
 # already prepared (100,000 users take ~70 ms to decode and flatten; the engine
 # thread then only swaps the limiter's table), or SILENT: no word from the
 # server for silence_s.
-_Inbound = bytes | Prepared | None
+@dataclass(frozen=True)
+class _Arrived:
+    """A Shares frame and when the IO thread received it (time.monotonic_ns): its lease
+    counts from then, not from when the engine thread applies it (docs/fleet.md, "Bound
+    holes"), as the allocator's accounting assumes."""
+
+    frame: bytes
+    at_ns: int
+
+
+_Inbound = bytes | Prepared | _Arrived | None
 SILENT = None
 
 
@@ -171,6 +212,8 @@ class PushConnection:
     role: p.Role = p.ENGINE_ROLE
     # What the connection keeps while the control plane is silent (for its logs).
     kept = "limits"
+    # What it serves on while it holds no configuration at all (for its logs).
+    held_without_snapshot = "the limits from the command line"
 
     def __init__(
         self,
@@ -185,7 +228,12 @@ class PushConnection:
         silence_s: float = p.SERVER_SILENCE_S,
         reconnect_after_s: float = RECONNECT_AFTER_S,
         resync_retry_s: float = p.RESYNC_RETRY_S,
+        vllm_version: str | None = None,
+        state: StateWriter | None = None,
+        capacity: int = 0,
     ) -> None:
+        """``state``: where each applied version is saved (None: nowhere); ``capacity``:
+        the engine's max_num_seqs, said at HELLO (its demand counts up to it)."""
         if not endpoints:
             raise ValueError(f"{type(self).__name__} needs at least one endpoint")
         self.endpoints = tuple(endpoints)
@@ -193,6 +241,11 @@ class PushConnection:
         self.endpoint_index = 0
         self.engine_id = engine_id
         self.model = model
+        # What HELLO says this engine runs (None: the vLLM installed here). A version the
+        # wire cannot carry goes as "": the control plane would refuse the HELLO whole.
+        if vllm_version is None:
+            vllm_version = vllm_compat.installed_vllm_version() or ""
+        self.vllm_version = vllm_version if is_vllm_version(vllm_version) else ""
         self._server_public_key = server_public_key
         self._client_secret_key = client_secret_key or os.environ.get(ENGINE_SECRET_KEY_ENV)
         self._wake = wake
@@ -208,12 +261,22 @@ class PushConnection:
         os.set_blocking(self._wake_write, False)
         self._snapshot_seen = threading.Event()
         self._stop = threading.Event()
+        # Set by leave(): the last frame on the socket is Leaving.
+        self._leaving = False
+        self._closed = False
         self._thread = threading.Thread(
             target=self._io_loop, name=f"output-rate-push-{self.role}", daemon=True
         )
+        self._state = state
+        self.capacity = capacity
+        # While a received frame is handled: when it arrived (time.monotonic_ns).
+        self.arrived_ns: int | None = None
         # Applying-thread state.
         self.applied_version = 0
+        # Holds a configuration: a snapshot from the control plane, or the saved one.
         self.has_snapshot = False
+        # What it enforces came from the saved state (no live snapshot since the start).
+        self.serving_saved = False
         # Waiting for a snapshot: deltas are ignored until it arrives.
         self._resyncing = True
         self._resync_asked_at = time.monotonic()
@@ -224,8 +287,14 @@ class PushConnection:
         self.num_resyncs = 0
         # IO-thread state.
         self.num_silences = 0
+        # Refused claims of its engine id, by reason (protocol.Refused): read by any thread.
+        self.refusals: dict[p.RefusalReason, int] = {}
+        self._next_refusal_log = 0.0
+        self._refusals_unlogged = 0
         # The replica said goodbye (it shuts down): the IO thread moves on at once.
         self._left = False
+        # ... before it said anything else (it turned this engine away).
+        self._turned_away = False
         self.num_reconnects = 0
 
     @property
@@ -270,15 +339,40 @@ class PushConnection:
             )
         self._thread.start()
 
-    def close(self) -> None:
-        if self._stop.is_set():
+    def leave(self) -> None:
+        """The engine serves nothing more: the IO thread's last frame says so (Leaving), and
+        it sends nothing after it, so the control plane hands its fleet shares to the other
+        engines at once and frees its id. Returns at once (any thread, a signal handler
+        too); ``close`` waits for it."""
+        self._leaving = True
+        self._stop.set()
+        self._poke()
+
+    def close(self, *, leave: bool = False) -> None:
+        """Stop. ``leave``: as ``leave()``, waiting up to LEAVING_LINGER_MS for the frame to
+        go."""
+        if self._closed:
             return
+        self._closed = True
+        if leave:
+            self._leaving = True
         self._stop.set()
         self._poke()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         os.close(self._wake_read)
         os.close(self._wake_write)
+        if self._state is not None:
+            self._state.close()
+
+    def install_saved(self, snapshot: p.Snapshot) -> None:
+        """Enforce a saved configuration until the control plane's snapshot comes (on the
+        applying thread, before ``start``): the HELLO says its version, and the client
+        still waits for a snapshot (deltas are not taken on top of a saved state)."""
+        self._install_snapshot(self._prepare(snapshot))
+        self.applied_version = snapshot.version
+        self.has_snapshot = True
+        self.serving_saved = True
 
     def wait_for_snapshot(self, timeout_s: float) -> bool:
         """Block until the first snapshot has arrived (the applying thread applies it)."""
@@ -298,6 +392,12 @@ class PushConnection:
             try:
                 if isinstance(item, Prepared):
                     num_applied += self._install(item)
+                elif isinstance(item, _Arrived):
+                    self.arrived_ns = item.at_ns
+                    try:
+                        num_applied += self._handle(p.decode(item.frame))
+                    finally:
+                        self.arrived_ns = None
                 else:
                     num_applied += self._handle(p.decode(item))
             except p.ProtocolError as e:
@@ -313,8 +413,11 @@ class PushConnection:
     def _install(self, prepared: Prepared) -> int:
         # Always taken: the database is the truth, even if it went back (a restore).
         self._install_snapshot(prepared)
+        if self._state is not None:
+            self._state.on_snapshot(prepared.snapshot)
         self.applied_version = prepared.version
         self.has_snapshot = True
+        self.serving_saved = False
         self._resyncing = False
         self._resync_wait_s = self._resync_retry_s
         self._send(p.Ack(self.engine_id, prepared.version))
@@ -331,6 +434,8 @@ class PushConnection:
                 return 0
             for op in message.ops:
                 self._apply_op(op)
+            if self._state is not None:
+                self._state.on_ops(message.version, message.ops)
             self.applied_version = message.version
             self._send(p.Ack(self.engine_id, message.version))
             return 1
@@ -378,15 +483,23 @@ class PushConnection:
             sock.setsockopt(zmq.IPV6, 1)  # else ZMQ never dials an IPv6 address
         sock.connect(self.endpoint)
         # A new connection always starts with a snapshot: HELLO makes the server send one.
-        hello = p.Hello(self.engine_id, self.model, self.applied_version, self.role)
+        hello = p.Hello(
+            self.engine_id,
+            self.model,
+            self.applied_version,
+            self.role,
+            self.vllm_version,
+            capacity=self.capacity,
+        )
         sock.send(p.encode(hello), zmq.NOBLOCK)
         return sock
 
     def _io_loop(self) -> None:
         context = zmq.Context()
         sock: zmq.Socket | None = None
-        # New sockets in a row on which no replica answered (throttles the log).
-        num_unanswered = 0
+        # New sockets in a row on which no replica answered (throttles the log), and in
+        # a row that a replica turned away.
+        num_unanswered = num_turned_away = 0
         try:
             while not self._stop.is_set():
                 answered = False
@@ -398,15 +511,29 @@ class PushConnection:
                     self._stop.wait(0.5)
                 finally:
                     if sock is not None:
-                        sock.close(linger=0)
+                        self._close_socket(sock)
                         sock = None
                 if not self._stop.is_set():
                     self.num_reconnects += 1
                     num_unanswered = 0 if answered else num_unanswered + 1
+                    num_turned_away = num_turned_away + 1 if self._turned_away else 0
+                    self._turned_away = False
                     log = num_unanswered <= 1 or num_unanswered % 20 == 0
                     self._move_on(answered=answered, log=log)
+                    if num_turned_away >= len(self.endpoints):
+                        # Every replica is cut off from its database: no busy loop.
+                        num_turned_away = 0
+                        self._stop.wait(ALL_REFUSED_WAIT_S)
         finally:
             context.term()
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        if not (self._leaving and self._stop.is_set()):
+            sock.close(linger=0)
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send(p.encode(p.Leaving(self.engine_id, self.role)), zmq.NOBLOCK)
+        sock.close(linger=LEAVING_LINGER_MS)
 
     def _move_on(self, *, answered: bool, log: bool) -> None:
         """To the next replica (round robin); with one endpoint, a new socket to it."""
@@ -415,8 +542,8 @@ class PushConnection:
         if self._left:
             self._left = False
             logger.info(
-                "output-rate: control plane at %s is shutting down; on to replica %d of %d at "
-                "%s, keeping the last %s",
+                "output-rate: control plane at %s said goodbye (shutting down, or cut off "
+                "from its database); on to replica %d of %d at %s, keeping the last %s",
                 silent_at,
                 self.endpoint_index + 1,
                 len(self.endpoints),
@@ -441,7 +568,7 @@ class PushConnection:
             "replica %d of %d at %s, keeping the last %s (down, unreachable, or "
             "a CURVE key mismatch)",
             silent_at,
-            self._reconnect_after_s if answered else self._silence_s,
+            self._silence_s,
             self.endpoint_index + 1,
             len(self.endpoints),
             self.endpoint,
@@ -449,26 +576,31 @@ class PushConnection:
         )
 
     def _serve(self, sock: zmq.Socket) -> bool:
-        """Move frames until the server stays silent for reconnect_after_s, or close;
+        """Move frames until the server stays silent too long, says Goodbye, or close;
         return whether it answered on this socket.
 
-        A restarted server on the same endpoint needs no new socket: ZMQ redials,
-        and the server answers the next heartbeat from this unknown peer with a
-        snapshot. A silence of silence_s makes the engine ask for a snapshot; only a
-        long one makes a new socket (a new HELLO, to the next replica if there are
-        several). A replica that has not answered on this socket yet is left after
-        silence_s: the next one costs nothing (every replica answers HELLO with a
-        snapshot), and an engine starting while the first replica is down gets its
-        snapshot within the default snapshot timeout."""
+        One endpoint: a restarted server on it needs no new socket: ZMQ redials, and
+        the server answers the next heartbeat from this unknown peer with a snapshot.
+        A silence of silence_s makes the engine ask for a snapshot; only
+        reconnect_after_s of it makes a new socket (a new HELLO).
+
+        Several endpoints (replicas): a silence of silence_s moves to the next one
+        (a new socket, a new HELLO, a snapshot from it): every replica serves the same
+        configuration, so the next costs nothing, and a write reaches the engine through
+        it within the heartbeat timeout of its replica's death. An engine starting while
+        the first replica is down gets its snapshot within the default snapshot timeout."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         last_heard = time.monotonic()
         next_heartbeat = last_heard
         silent = answered = False
-        give_up_s = self._silence_s if len(self.endpoints) > 1 else self._reconnect_after_s
+        several = len(self.endpoints) > 1
+        give_up_s = self._silence_s if several else self._reconnect_after_s
         while not self._stop.is_set():
-            timeout_ms = int(max(0.0, next_heartbeat - time.monotonic()) * 1000) + 1
+            # Awake for the next heartbeat, and when the server has been silent too long.
+            wake_at = min(next_heartbeat, last_heard + give_up_s)
+            timeout_ms = int(max(0.0, wake_at - time.monotonic()) * 1000) + 1
             events = dict(poller.poll(timeout_ms))
             if sock in events:
                 woke = heard = False
@@ -479,12 +611,20 @@ class PushConnection:
                         break
                     kind = p.peek_type(frame)
                     if kind == p.GOODBYE:
-                        # The replica shuts down: on to the next one now.
+                        # The replica shuts down, or cannot reach its database: on to
+                        # the next one now. One that said nothing else turned us away.
                         self._left = True
+                        self._turned_away = not answered
                         return True
+                    if kind == p.REFUSED:
+                        self._refused(frame)
+                        heard = woke = True  # an answer; the idle engine shows the count
+                        continue
                     if kind == p.SNAPSHOT:
                         self._inbound.put(self._prepare_frame(frame))
                         self._snapshot_seen.set()
+                    elif kind == p.SHARES:
+                        self._inbound.put(_Arrived(frame, time.monotonic_ns()))
                     else:
                         self._inbound.put(frame)
                     woke = woke or kind != p.HEARTBEAT
@@ -494,7 +634,8 @@ class PushConnection:
                     silent = False
                     if not answered:
                         answered = True
-                        give_up_s = self._reconnect_after_s
+                        if not several:
+                            give_up_s = self._reconnect_after_s
                         if self.num_reconnects:
                             logger.info(
                                 "output-rate: control plane at %s answered (replica %d of %d)",
@@ -524,6 +665,42 @@ class PushConnection:
                 self._inbound.put(SILENT)
                 self._wake()
         return answered
+
+    def _refused(self, frame: bytes) -> None:
+        """The control plane refused this connection's claim of its engine id: counted,
+        and said as an error (at most every REFUSAL_LOG_INTERVAL_S); every heartbeat
+        claims it again."""
+        try:
+            refused = p.decode(frame)
+        except p.ProtocolError as e:
+            logger.warning("output-rate: dropped a bad message from the control plane: %s", e)
+            return
+        assert isinstance(refused, p.Refused)
+        self.refusals[refused.reason] = self.refusals.get(refused.reason, 0) + 1
+        now = time.monotonic()
+        if now < self._next_refusal_log:
+            self._refusals_unlogged += 1
+            return
+        self._next_refusal_log = now + REFUSAL_LOG_INTERVAL_S
+        unlogged, self._refusals_unlogged = self._refusals_unlogged, 0
+        since = f" ({unlogged} more since the last line)" if unlogged else ""
+        if self.serving_saved:
+            serving = f"the saved configuration (version {self.applied_version})"
+        elif self.has_snapshot:
+            serving = f"the last {self.kept} it applied (version {self.applied_version})"
+        else:
+            serving = self.held_without_snapshot
+        logger.error(
+            "output-rate: the control plane at %s refused engine id %r (%s): %s (%s)%s; "
+            "serving with %s meanwhile, trying again with every heartbeat",
+            self.endpoint,
+            self.engine_id,
+            self.role,
+            refused.reason,
+            refused.detail,
+            since,
+            serving,
+        )
 
     def _prepare_frame(self, frame: bytes) -> _Inbound:
         """Decode and prepare a snapshot here, off the applying thread."""
@@ -555,15 +732,22 @@ class PushClient(PushConnection):
         # Engine-thread state.
         self.table = LimitTable()
         self._last_usage_at = time.monotonic()
-        # A report not sent yet (interval, granted, throttled, would-throttle), and when
-        # the last one went; the engine thread and the IO thread both take it, under the lock.
+        # A report not sent yet (interval, granted, throttled, would-throttle, borrowed),
+        # and when the last one went; the engine thread and the IO thread both take it,
+        # under the lock.
         self._usage_lock = threading.Lock()
-        self._held_usage: tuple[float, dict[str, int], dict[str, int], dict[str, int]] | None = None
+        self._held_usage: _HeldUsage | None = None
         self._last_usage_sent_at = float("-inf")
-        # user -> streams, as the control plane last heard them from this engine
+        # user -> streams, as the control plane last heard them from this engine, and the
+        # users it last heard were stalled
         self.demand_sent: dict[str, int] = {}
+        self.stalled_sent: frozenset[str] = frozenset()
         self._full_demand_due = True
         self._last_full_demand_at = 0.0
+        # The longest lease a Shares frame gave, and what was last handed to the saved
+        # state of the fleet counts (_save_fleet).
+        self._max_lease_ms = 0
+        self._saved_fleet_key: tuple[object, ...] | None = None
         # What the current apply_pending call applies to (the scheduler's limiter and clock).
         self._limiter: OutputRateLimiter | None = None
         self._now_ns: int | None = None
@@ -578,12 +762,20 @@ class PushClient(PushConnection):
 
         ``now_ns`` (the scheduler's clock) times the lease of the fleet shares."""
         fleet = self.table.fleet
+        if fleet.serving_until_ns:
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            if self.table.expire_counts(limiter, now_ns):
+                self._save_fleet(now_ns)
         if fleet.lease_expires_ns is not None:
             now_ns = time.monotonic_ns() if now_ns is None else now_ns
             if self.table.expire_lease(limiter, now_ns):
+                self._save_fleet(now_ns)
                 logger.warning(
                     "output-rate: no share renewal from the control plane within the lease; "
-                    "fleet limits fall back to safe shares (limit / %d engines)",
+                    "fleet limits fall to their outage shares (%s; %d users with a serving "
+                    "count; fleet of %d engines)",
+                    fleet.outage,
+                    len(fleet.serving),
                     self.table.num_engines,
                 )
         if self._inbound.empty() and not self._resyncing:
@@ -597,22 +789,26 @@ class PushClient(PushConnection):
         granted: dict[str, int],
         throttled: dict[str, int],
         would_throttle: dict[str, int] | None = None,
+        borrowed: dict[str, int] | None = None,
     ) -> None:
-        """Hand over this interval's counters (the client keeps the dicts)."""
+        """Hand over this interval's counters (the client keeps the dicts); ``borrowed``:
+        the tokens of ``granted`` lent beyond each user's rate."""
         now = time.monotonic()
         interval = max(now - self._last_usage_at, p.MIN_USAGE_INTERVAL_S)
         self._last_usage_at = now
         would = would_throttle if would_throttle is not None else {}
-        if not granted and not throttled and not would:
+        lent = borrowed if borrowed is not None else {}
+        if not granted and not throttled and not would and not lent:
             return
         with self._usage_lock:
             held = self._held_usage
             if held is not None:  # the earlier interval's counts join this one's
                 interval += held[0]
-                for counts, held_counts in zip((granted, throttled, would), held[1:], strict=True):
+                maps = (granted, throttled, would, lent)
+                for counts, held_counts in zip(maps, held[1:], strict=True):
                     for user, n in held_counts.items():
                         counts[user] = counts.get(user, 0) + n
-            self._held_usage = (interval, granted, throttled, would)
+            self._held_usage = (interval, granted, throttled, would, lent)
         self._send_held_usage(now)
 
     def _send_held_usage(self, now: float) -> None:
@@ -620,26 +816,28 @@ class PushClient(PushConnection):
         with self._usage_lock:
             if self._held_usage is None or now - self._last_usage_sent_at < USAGE_MIN_SPACING_S:
                 return
-            (interval, granted, throttled, would), self._held_usage = self._held_usage, None
+            (interval, granted, throttled, would, lent), self._held_usage = self._held_usage, None
             self._last_usage_sent_at = now
         # What the server would refuse whole: names that are no user id (a request's
         # output_rate_user can be anything) and more than MAX_USAGE_USERS per map.
         granted, throttled = _reportable(granted), _reportable(throttled)
-        would = _reportable(would)
+        would, lent = _reportable(would), _reportable(lent)
         # Counts over one engine's bound mean the interval was measured too short.
         interval = max(
             interval,
             sum(granted.values()) / p.MAX_ENGINE_TOKENS_PER_S,
             sum(throttled.values()) / p.MAX_ENGINE_STEPS_PER_S,
             sum(would.values()) / p.MAX_ENGINE_STEPS_PER_S,
+            sum(lent.values()) / p.MAX_ENGINE_TOKENS_PER_S,
         )
         # Thousands of long ids can exceed a frame: parts, never a refused frame.
         interval = min(interval, p.MAX_USAGE_INTERVAL_S)
-        for part in usage_parts(self.engine_id, interval, granted, throttled, would):
+        for part in usage_parts(self.engine_id, interval, granted, throttled, would, lent):
             self._send(part)
 
-    def report_demand(self, streams: dict[str, int]) -> None:
-        """Hand over the streams per fleet-limited user now (the client keeps the dict)."""
+    def report_demand(self, streams: dict[str, int], stalled: frozenset[str] = frozenset()) -> None:
+        """Hand over the streams per fleet-limited user now (the client keeps the dict), and
+        the users among them none of whose requests can run (every slot is taken)."""
         now = time.monotonic()
         sent = self.demand_sent
         full = self._full_demand_due or now - self._last_full_demand_at > FULL_DEMAND_INTERVAL_S
@@ -650,19 +848,58 @@ class PushClient(PushConnection):
         else:
             changes = {user: n for user, n in streams.items() if sent.get(user) != n}
             changes.update((user, 0) for user in sent if user not in streams)
-            if not changes:
+            if not changes and stalled == self.stalled_sent:
                 return
         self.demand_sent = streams
+        self.stalled_sent = stalled
+        whole_stalled = sorted(user for user in stalled if is_user_id(user))
         # Frames stay small: a full map over MAX_DEMAND_USERS goes as a full part and
         # partial rest (names that are no user id are never fleet-limited: is_user_id).
         items = [(user, n) for user, n in changes.items() if is_user_id(user)]
         step = p.MAX_DEMAND_USERS
         for start in range(0, max(len(items), 1), step):
             part = dict(items[start : start + step])
-            self._send(p.Demand(self.engine_id, full and start == 0, part))
+            self._send(p.Demand(self.engine_id, full and start == 0, part, stalled=whole_stalled))
 
     def _on_io_tick(self) -> None:
         self._send_held_usage(time.monotonic())
+
+    def enforce_saved(
+        self,
+        limiter: OutputRateLimiter,
+        snapshot: p.Snapshot,
+        fleet: SavedFleet | None = None,
+        now_ns: int | None = None,
+    ) -> None:
+        """The limiter enforces a saved configuration (``install_saved``): fleet users at
+        their safe share of the fleet size saved with it; with the serving counts saved
+        (``fleet``), at their outage share once the lease the engine may have held ended
+        (at once if it was in an outage), as before the restart."""
+        self._limiter = limiter
+        self.install_saved(snapshot)
+        if fleet is not None:
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            self.table.restore_fleet(fleet, limiter, now_ns, time.time())
+            self._max_lease_ms = fleet.lease_ms
+            self._save_fleet(now_ns)
+
+    def _save_fleet(self, now_ns: int) -> None:
+        """Hand the serving counts and the outage policy to the saved state when they
+        changed (their expiry in Unix seconds: it outlives this process's clock)."""
+        if self._state is None:
+            return
+        fleet = self.table.fleet
+        key = (
+            fleet.outage,
+            fleet.in_outage,
+            self._max_lease_ms,
+            tuple(fleet.serving.items()),
+            tuple(fleet.serving_until_ns.items()),
+        )
+        if key == self._saved_fleet_key:
+            return
+        self._saved_fleet_key = key
+        self._state.on_fleet(self.table.saved_fleet(now_ns, time.time(), self._max_lease_ms))
 
     def _prepare(self, snapshot: p.Snapshot) -> _PreparedSnapshot:
         return _PreparedSnapshot.of(snapshot)
@@ -670,17 +907,27 @@ class PushClient(PushConnection):
     def _install_snapshot(self, prepared: Prepared) -> None:
         assert isinstance(prepared, _PreparedSnapshot) and self._limiter is not None
         table = prepared.table
+        num_engines = table.num_engines
         table.adopt_fleet(self.table)
-        millis = prepared.millis
-        if table.fleet.shares:
-            millis = {**millis, **table.user_millis_of(list(table.fleet.shares))}
+        default_milli, millis = prepared.default_milli, prepared.millis
+        default_ceiling, ceilings = prepared.default_ceiling, prepared.ceilings
+        if table.num_engines != num_engines or table.fleet.fraction_outage:
+            # It kept the larger fleet it knew: the safe shares prepared are too large
+            # (rare: only a snapshot that counts fewer engines, so flattened again here);
+            # or every fleet user is on the outage fraction of its limit.
+            default_milli, millis = table.default_milli(), table.user_millis()
+            default_ceiling, ceilings = table.default_ceiling_milli(), table.user_ceilings()
+        elif held := table.fleet.held_users():
+            millis = {**millis, **table.user_millis_of(held)}
+            ceilings = {**ceilings, **{user: table.ceiling_milli(user) for user in held}}
         self.table = table
         self._limiter.replace_all_milli(
-            prepared.default_milli,
+            default_milli,
             millis,
             default_shadow=table.default_is_shadow,
             shadow_users=table.shadow_users(millis),
         )
+        self._limiter.replace_ceilings(default_ceiling, ceilings)
         # A snapshot follows every new connection: the server hears the whole demand.
         self._full_demand_due = True
 
@@ -694,7 +941,18 @@ class PushClient(PushConnection):
             return
         assert self._limiter is not None
         now_ns = time.monotonic_ns() if self._now_ns is None else self._now_ns
-        if self.table.apply_shares(message, self._limiter, now_ns):
+        if self.arrived_ns is not None:
+            # The lease counts from its arrival: less the time it waited for this thread.
+            now_ns -= max(0, time.monotonic_ns() - self.arrived_ns)
+        num_engines = self.table.num_engines
+        applied = self.table.apply_shares(message, self._limiter, now_ns)
+        if self._state is not None and self.table.num_engines != num_engines:
+            # Fleet users of an engine restarted from the saved state start at their
+            # safe share of the fleet size it knew last.
+            self._state.on_fleet_size(self.table.num_engines)
+        if applied:
+            self._max_lease_ms = max(self._max_lease_ms, message.lease_ms)
+            self._save_fleet(time.monotonic_ns() if self._now_ns is None else self._now_ns)
             fleet = self.table.fleet
             assert fleet.epoch is not None
             self._send(p.ShareAck(self.engine_id, fleet.epoch, fleet.seq))

@@ -26,18 +26,20 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_ext import vllm_compat
 from engine_ext.config import OutputRateConfig
+from engine_ext.drafts import DraftLedger
 from engine_ext.limiter import ANONYMOUS_USER, USER_ARG, OutputRateLimiter
 from engine_ext.metrics import PAYLOAD_FIELD, SchedulerFigures, encode_snapshot
 from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, ReclaimStats, Slots, StepPlan, StepPlanner
 from engine_ext.stat_logger import engine_metrics_for
 from engine_ext.waiting import UserIndexedQueue
+from output_rate_core import protocol as p
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -58,6 +60,10 @@ USAGE_REPORT_INTERVAL_NS = 1_000_000_000
 # Fleet demand (streams per user) is restated this often; a user new to this engine
 # is reported at the next step (docs/fleet.md).
 DEMAND_REPORT_INTERVAL_NS = 250_000_000
+# A user new here is reported at once, but no sooner than this (125 ms) after the last
+# report: half the demand frames a second the control plane takes from one engine.
+DEMAND_MIN_SPACING_NS = int(2e9 / p.MAX_DEMAND_FRAMES_PER_S)
+assert DEMAND_MIN_SPACING_NS < DEMAND_REPORT_INTERVAL_NS
 
 
 def request_user(request: Request) -> str:
@@ -108,6 +114,15 @@ class OutputRateMixin:
             ),
             self.output_rate_users,
         )
+        config = self.output_rate_config
+        if config.default_ceiling is not None or config.user_ceilings:
+            self.output_rate_limiter.replace_ceilings(
+                None if config.default_ceiling is None else config.default_ceiling * p.MILLI,
+                {
+                    user: None if ceiling is None else ceiling * p.MILLI
+                    for user, ceiling in config.user_ceilings.items()
+                },
+            )
         # Every waiting queue, indexed by user so that a step's admission
         # costs O(users with waiting requests), not O(waiting requests).
         self._waiting_queues = tuple(
@@ -115,16 +130,31 @@ class OutputRateMixin:
         )
         for name, queue in zip(waiting_queues, self._waiting_queues, strict=True):
             setattr(self, name, queue)
-        # The control-plane client, attached by the engine-core side.
+        # The control-plane client, attached by the engine-core side, and how an idle
+        # engine sends its stats (set by the engine-core side; None: it cannot).
         self.push_client: Any = None
+        self.output_rate_publish_stats: Callable[[Any], None] | None = None
+        # (applied version, in sync, refusals) as the last idle stats showed them.
+        self._published_link: tuple[int, bool, int] | None = None
         self._next_usage_report_ns = 0
         self._next_demand_report_ns = 0
         # A request of a user the control plane has no demand of from this engine came.
         self._new_demand = False
+        self._last_demand_report_ns = -DEMAND_MIN_SPACING_NS
         # metrics: engine figures on vLLM's /metrics (engine_ext/metrics.py); None if log stats off.
         self.output_rate_metrics = engine_metrics_for(self.output_rate_config, self.log_stats)
         if self.output_rate_metrics is not None:
             self.output_rate_planner.count_granted = True
+        # Speculative decoding: drafts charged at dispatch, settled by what was emitted.
+        self.output_rate_drafts: DraftLedger | None = None
+        if vllm_config.speculative_config is not None:
+            self.output_rate_drafts = DraftLedger(
+                self.output_rate_limiter,
+                self.output_rate_users,
+                is_async=isinstance(self, AsyncScheduler),
+                clock_ns=lambda: self.output_rate_clock_ns(),
+            )
+            self.output_rate_planner.counts_at_dispatch = False
 
     @property
     def output_rate_limiter(self) -> OutputRateLimiter:
@@ -133,6 +163,8 @@ class OutputRateMixin:
     @output_rate_limiter.setter
     def output_rate_limiter(self, limiter: OutputRateLimiter) -> None:
         self.output_rate_planner.limiter = limiter
+        if self.output_rate_drafts is not None:
+            self.output_rate_drafts.limiter = limiter
 
     @property
     def reclaim_stats(self) -> ReclaimStats:
@@ -175,6 +207,9 @@ class OutputRateMixin:
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        drafts = self.output_rate_drafts
+        if drafts is not None:
+            self._count_served(drafts.settle())
         self._forget_freed_requests()
         self.apply_control_plane_updates()
         self._maybe_report_demand()
@@ -195,6 +230,11 @@ class OutputRateMixin:
         waiting = self._waiting_queues
         plan, gate = planner.plan(self.running, waiting, slots, step)
         self._apply_plan(plan, step)
+        if drafts is not None:
+            # The plan's requests are upstream's, which the ledger reads more of.
+            drafts.allot(cast("list[Request]", [*plan.covered, *plan.charged]))
+            if plan.borrowed:
+                drafts.cut(cast("list[Request]", plan.borrowed))
         saved_active_cap = self.max_num_active_reqs
         if plan.admission_cap is not None:
             self.max_num_active_reqs = plan.admission_cap
@@ -207,6 +247,13 @@ class OutputRateMixin:
             for queue in waiting:
                 queue.remove_gate()
         planner.settle(plan, gate, output.num_scheduled_tokens, step)
+        if drafts is not None:
+            drafts.dispatch(
+                self.requests,
+                output.num_scheduled_tokens,
+                output.scheduled_spec_decode_tokens,
+                step,
+            )
         if self.output_rate_metrics is not None:  # metrics: O(throttled users)
             self.output_rate_metrics.on_step(planner.num_granted, len(plan.throttled))
         if step % CLEANUP_INTERVAL_STEPS == 0:
@@ -223,15 +270,18 @@ class OutputRateMixin:
             for victim in plan.victims:
                 vllm_compat.preempt_request(self, victim, timestamp)
         skipped = plan.parked + plan.throttled
-        if not skipped:
+        if not skipped and not plan.borrowed:
             return
         for request in skipped:
             if request.next_decode_eligible_step <= step:
                 request.next_decode_eligible_step = step + 1
         # Skipped requests go to the tail, throttled last: upstream preempts
-        # from the tail (running[-1]), so they lose their KV blocks first.
-        skipped_ids = {id(r) for r in skipped}
-        self.running = [r for r in self.running if id(r) not in skipped_ids] + skipped  # type: ignore[operator]
+        # from the tail (running[-1]), so they lose their KV blocks first. Borrowed
+        # ones go right before them: scheduled after every other running request (the
+        # token budget's rest), preempted before them.
+        moved = plan.borrowed + skipped
+        moved_ids = {id(r) for r in moved}
+        self.running = [r for r in self.running if id(r) not in moved_ids] + moved  # type: ignore[operator]
 
     # ---- engine loop and control plane -------------------------------------
 
@@ -257,11 +307,30 @@ class OutputRateMixin:
         if super().has_requests():  # type: ignore[misc]
             return True
         # Idle: no schedule() reports the demand that ended with the last request, and a
-        # share left here would sit unused while the user's other engines need it.
+        # share left here would sit unused while the user's other engines need it. Nor
+        # the whole demand the control plane answers with a full table of shares (due
+        # after each snapshot and each gap): without one the engine takes no share
+        # message, so not the fleet size its safe shares divide by.
         push = self.push_client
-        if push is not None and push.demand_sent:
+        if push is not None and (push.demand_sent or push.demand_due):
             push.report_demand({})
+        self._publish_link_figures()
         return False
+
+    def _publish_link_figures(self) -> None:
+        """An idle engine sends no stats, so /metrics would not show its link to the
+        control plane changing (a refused engine id, a lost or regained connection): when
+        it changed, one SchedulerStats with the metrics snapshot goes out now."""
+        push, publish = self.push_client, self.output_rate_publish_stats
+        if push is None or publish is None or self.output_rate_metrics is None:
+            return
+        link = (push.applied_version, push.is_in_sync, sum(push.refusals.values()))
+        if link == self._published_link:
+            return
+        self._published_link = link
+        stats = self.make_stats()
+        if stats is not None:
+            publish(stats)
 
     def apply_control_plane_updates(self) -> None:
         if self.push_client is not None:
@@ -273,13 +342,35 @@ class OutputRateMixin:
         if push is None:
             return
         now = self.output_rate_clock_ns()
-        if not (self._new_demand or push.demand_due or now >= self._next_demand_report_ns):
+        due = push.demand_due or now >= self._next_demand_report_ns
+        spaced = now >= self._last_demand_report_ns + DEMAND_MIN_SPACING_NS
+        if not (due or (self._new_demand and spaced)):
             return
+        self._last_demand_report_ns = now
         self._next_demand_report_ns = now + DEMAND_REPORT_INTERVAL_NS
         self._new_demand = False
-        is_fleet_limited = push.table.is_fleet_limited
-        streams = Counter(self.output_rate_users.values())
-        push.report_demand({user: n for user, n in streams.items() if is_fleet_limited(user)})
+        push.report_demand(*self._fleet_demand(push.table.is_fleet_limited))
+
+    def _fleet_demand(
+        self, is_fleet_limited: Callable[[str], bool]
+    ) -> tuple[dict[str, int], frozenset[str]]:
+        """The streams per fleet-limited user that a share here can serve, and the users
+        none of whose requests can run (docs/fleet.md, "Demand"). While every running slot
+        is taken, a user's waiting requests wait for a slot, not for its share: a user that
+        runs some counts only those; one that runs none counts all of them and is stalled."""
+        users = self.output_rate_users
+        streams = Counter(users.values())
+        fleet = {user: n for user, n in streams.items() if is_fleet_limited(user)}
+        if len(self.running) < self.max_num_running_reqs:
+            return fleet, frozenset()
+        running = Counter(users[request] for request in self.running if request in users)
+        stalled = frozenset(user for user in fleet if not running[user])
+        return {user: running[user] or n for user, n in fleet.items()}, stalled
+
+    def _count_served(self, num_emitted: Counter[str]) -> None:
+        planner = self.output_rate_planner
+        if num_emitted and (planner.count_granted or planner.limiter.has_shadow):
+            planner.count_served(num_emitted)
 
     def _maybe_report_usage(self) -> None:
         metrics = self.output_rate_metrics
@@ -290,11 +381,12 @@ class OutputRateMixin:
             return
         self._next_usage_report_ns = now + USAGE_REPORT_INTERVAL_NS
         granted, throttled, would = self.output_rate_planner.take_usage()
+        borrowed = self.output_rate_planner.take_borrowed()
         if metrics is not None:  # metrics: the same counts, before the push client owns them
-            metrics.add_usage(granted, throttled, self._tier_of(), would)
+            metrics.add_usage(granted, throttled, self._tier_of(), would, borrowed)
         if self.push_client is not None:
             self.push_client.report_usage(
-                granted=granted, throttled=throttled, would_throttle=would
+                granted=granted, throttled=throttled, would_throttle=would, borrowed=borrowed
             )
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
@@ -329,6 +421,7 @@ class OutputRateMixin:
             fleet_size=None if push is None else push.table.num_engines,
             num_shares=None if push is None else len(push.table.fleet.shares),
             shares_leased=None if push is None else push.table.fleet.lease_expires_ns is not None,
+            refusals=None if push is None else dict(push.refusals),
         )
 
     def _tier_of(self) -> Callable[[str], str | None]:

@@ -1,8 +1,7 @@
 """Startup verification: reject modes the per-user accounting cannot support.
 
 Each check names the option that enabled the mode, so the operator knows what
-to remove. The reasons (from the seed design): one token charged per request
-per step breaks with speculative decoding; every data-parallel rank has its own
+to remove. The reasons: every data-parallel rank has its own
 scheduler, so without a control plane each rank would be a budget of its own (with
 one, every rank is a member of the fleet and fleet limits are shared,
 docs/fleet.md); pipeline parallelism, non-standard attention models and
@@ -28,10 +27,6 @@ def _problems(
     # KV offload is implemented as a KV connector, so it is checked first to
     # name the option the operator actually gave.
     checks: list[tuple[bool, str]] = [
-        (
-            vllm_config.speculative_config is not None,
-            "speculative decoding (--speculative-config) samples several tokens per step",
-        ),
         (
             parallel.data_parallel_size > 1 and not has_control_plane,
             "--data-parallel-size > 1 without --control-plane-endpoint (every rank would "

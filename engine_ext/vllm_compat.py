@@ -25,12 +25,29 @@ What the product depends on, by module:
   plugin appends it in ``from_cli_args``. The server's routes that generate from a
   request of their own making are ``Release.no_user_paths`` (0.33 added
   ``/v1/decisions``, whose body model refuses unknown fields such as ``vllm_xargs``).
+  In api-key mode the routes a user's key may call are ``Release.tenant_paths``; every
+  other route (elastic scaling, aborts by request id, LoRA loading, the development
+  routes) takes the operator key.
+  The frontends that never build that app (``--grpc``, ``VLLM_USE_RUST_FRONTEND``,
+  ``--grpc-port``, ``--headless``; from 0.34 ``--headless-client-handshake-address``, the
+  Rust frontend's managed engine) are ``Release.frontends_without_middleware``: the
+  identity modes refuse them (``frontend_without_middleware`` below).
+- http_server.py (``HTTP_GUARD_PATCHES``, in the API server of an identity mode): the
+  API server entry's ``serve_http`` (imported there from the launcher), whose keyword
+  arguments go to ``uvicorn.Config`` (``http=``, the protocol class) and which gets
+  ``h11_max_incomplete_event_size`` from ``--h11-max-incomplete-event-size``.
 - engine_core.py (rows of ``PATCHES``): ``EngineCoreProc.run_busy_loop`` and
   ``_process_engine_step``; through the functions below, ``input_queue`` and
   ``_handle_client_request``: the idle wait on the input queue; ``engine_index``
-  (the data-parallel rank, which names the rank's fleet member); from 0.34,
+  (the data-parallel rank, which names the rank's fleet member); ``output_queue``
+  (``publish_scheduler_stats``: an idle engine's metrics); ``vllm_config.shutdown_timeout``
+  (``aborts_on_shutdown``: when a stopping engine leaves the fleet); from 0.34,
   ``_deferred_inputs`` (inputs taken from the queue during a step, handled before
   the queue: the idle wait does not start while there are any).
+- engine_core.py, in the API server process of a server with a control plane
+  (``SHUTDOWN_PATCHES``): ``vllm.v1.engine.utils.get_engine_process_shutdown_timeout``,
+  which ``CoreEngineProcManager.shutdown`` asks for the time an engine core gets between
+  its SIGTERM and its SIGKILL (0 with the default ``--shutdown-timeout 0``).
 - worker_spin.py (a row of ``PATCHES``): ``WorkerProc.worker_busy_loop``;
   ``worker.execute_model``; through ``worker_input_reader`` below, the
   ``SpinCondition`` of ``rpc_broadcast_mq`` (``is_reader``, ``busy_loop_s``,
@@ -47,16 +64,22 @@ What the product depends on, by module:
   from 0.33, reads the local prefill cadence through ``holds_prefill_chunks``.
   Which running request's step samples mirrors the running loop of
   ``Scheduler.schedule``: ``Request.num_output_placeholders``,
-  ``num_tokens_with_spec``, ``num_computed_tokens``,
+  ``num_tokens``, ``num_computed_tokens``,
   ``next_decode_eligible_step``, ``num_prompt_tokens``, ``max_tokens``,
   ``is_prefill_chunk``. Where scheduled requests come from: every request in
   ``SchedulerOutput.num_scheduled_tokens`` was in ``running`` when
   ``schedule()`` began or was popped from a waiting queue (0.32.0's lines 855
   and 1365); the planner's settle counts on it
   (tests/engine_ext/test_scheduler_equivalence.py checks it every step).
+- drafts.py (speculative decoding): ``Request.spec_token_ids`` (cut to the drafts a
+  user's allowance covers, as a new list: the asynchronous scheduler shares one
+  placeholder list), ``num_output_tokens``, ``num_output_placeholders`` (the
+  asynchronous scheduler's in-flight tokens: one plus the drafts per step, less the
+  rejected and received ones, zeroed at preemption), ``is_finished()``;
+  ``SchedulerOutput.scheduled_spec_decode_tokens``.
 - waiting.py: the ``RequestQueue`` interface, and the order of upstream's
   FCFS and priority queues (``Request.priority``, ``arrival_time``).
-- verify.py: ``VllmConfig`` fields (speculative, parallel, model kind, KV
+- verify.py: ``VllmConfig`` fields (parallel, model kind, KV
   transfer and offload, ``scheduler_cls``).
 - metrics (docs/metrics.md): ``SchedulerStats`` gets one more dataclass field
   (``add_scheduler_stats_field`` below; msgspec must encode and decode it
@@ -102,9 +125,65 @@ class Release:
     defers_engine_inputs: bool
     # Server routes that generate from a request of their own making (no vllm_xargs).
     no_user_paths: frozenset[str]
+    # api-key mode: the routes a user's key may call (besides the probes, the no-user
+    # paths and the user's own stored responses); every other route is the operator's.
+    tenant_paths: frozenset[str]
+    # What serves requests without vLLM's Python HTTP app, so without its --middleware
+    # list: (the flag, or the environment variable as ``vllm.envs`` reads it, and what
+    # then serves), in the order they are named.
+    frontends_without_middleware: tuple[tuple[str, str], ...]
 
 
 _NO_USER_PATHS_0_32 = frozenset({"/cohere/v2/chat", "/v1/systemone", "/generative_scoring"})
+# Generation (OpenAI, Anthropic, SageMaker, token-in), its rendering and tokenizing, the
+# speech and pooling APIs, the model list and the API's own documentation.
+_TENANT_PATHS_0_32 = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/invocations",
+        "/inference/v1/generate",
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/v1/messages/render",
+        "/v1/responses/render",
+        "/cohere/v2/chat/render",
+        "/v1/chat/completions/derender",
+        "/v1/completions/derender",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/v1/models",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/realtime",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/openapi.json",
+        "/redoc",
+    }
+)
+_FRONTENDS_0_32 = (
+    ("--grpc", "vLLM's gRPC server"),
+    ("VLLM_USE_RUST_FRONTEND", "the Rust frontend (vllm-rs)"),
+    ("--grpc-port", "the Rust frontend's gRPC services"),
+    # Requests come from another process: a `vllm serve` head node checks identities with
+    # the flags it was given; `vllm-rs serve` starts its Python engine with --headless.
+    ("--headless", "whatever frontend drives this headless engine"),
+)
 RELEASES: dict[str, Release] = {
     "0.32.0": Release(
         version="0.32.0",
@@ -113,6 +192,8 @@ RELEASES: dict[str, Release] = {
         has_local_prefill_cadence=False,
         defers_engine_inputs=False,
         no_user_paths=_NO_USER_PATHS_0_32,
+        tenant_paths=_TENANT_PATHS_0_32,
+        frontends_without_middleware=_FRONTENDS_0_32,
     ),
     "0.33.0": Release(
         version="0.33.0",
@@ -121,6 +202,8 @@ RELEASES: dict[str, Release] = {
         has_local_prefill_cadence=True,
         defers_engine_inputs=False,
         no_user_paths=_NO_USER_PATHS_0_32 | {"/v1/decisions"},
+        tenant_paths=_TENANT_PATHS_0_32,
+        frontends_without_middleware=_FRONTENDS_0_32,
     ),
     "0.34.0": Release(
         version="0.34.0",
@@ -129,6 +212,12 @@ RELEASES: dict[str, Release] = {
         has_local_prefill_cadence=True,
         defers_engine_inputs=True,
         no_user_paths=_NO_USER_PATHS_0_32 | {"/v1/decisions"},
+        tenant_paths=_TENANT_PATHS_0_32,
+        # The Rust frontend's managed engine: headless, handshaking with that frontend.
+        frontends_without_middleware=(
+            ("--headless-client-handshake-address", "the Rust frontend (vllm-rs serve)"),
+            *_FRONTENDS_0_32,
+        ),
     ),
 }
 SUPPORTED_VLLM_VERSIONS = tuple(RELEASES)
@@ -301,12 +390,34 @@ BEAM_SEARCH_PATCHES: tuple[Patch, ...] = (
 )
 
 
+# Patched only in the API server process of a server with a control plane: the engine
+# cores it stops get the time to say Leaving (engine_core.LEAVING_GRACE_S).
+SHUTDOWN_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.v1.engine.utils",
+        "get_engine_process_shutdown_timeout",
+        "engine_ext.engine_core:wrap_engine_process_shutdown_timeout",
+    ),
+)
+
+
 # Patched only in the API server processes of a limited server (engine metrics).
 METRICS_PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.engine.async_llm",
         "load_stat_logger_plugin_factories",
         "engine_ext.stat_logger:wrap_load_stat_logger_plugin_factories",
+    ),
+)
+
+
+# Patched only in the API server processes of a server in an identity mode: the
+# connection guard as uvicorn's protocol (engine_ext/http_server.py).
+HTTP_GUARD_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.entrypoints.launchers.api_server.entry",
+        "serve_http",
+        "engine_ext.http_server:wrap_serve_http",
     ),
 )
 
@@ -366,6 +477,21 @@ def engine_input_queue(engine: Any) -> Any:
     return engine.input_queue
 
 
+def publish_scheduler_stats(engine: Any, stats: Any) -> None:
+    """Send ``SchedulerStats`` to the API server outside a step, as upstream's
+    ``update_from_output`` does for a step with no request output: an
+    ``EngineCoreOutputs`` with only the stats, to client 0, on ``output_queue``."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    engine.output_queue.put_nowait((0, EngineCoreOutputs(scheduler_stats=stats)))
+
+
+def aborts_on_shutdown(engine: Any) -> bool:
+    """Whether SIGTERM makes the engine core abort every request at once
+    (``VllmConfig.shutdown_timeout`` 0, the default) rather than drain them."""
+    return int(engine.vllm_config.shutdown_timeout) == 0
+
+
 def engine_index(engine: Any) -> int:
     """``EngineCoreProc.engine_index``: the data-parallel rank of this engine core."""
     return int(getattr(engine, "engine_index", 0))
@@ -397,6 +523,22 @@ def holds_prefill_chunks(scheduler: Any) -> bool:
         and (scheduler.num_executed_steps + 1) - scheduler.last_prefill_step < interval
         and any(not r.is_prefill_chunk for r in scheduler.running)
     )
+
+
+def frontend_without_middleware(args: Any) -> tuple[str, str] | None:
+    """(the first option of ``args`` or the environment that serves requests without vLLM's
+    Python HTTP app, what serves them instead), or None."""
+    import vllm.envs
+
+    for option, frontend in release().frontends_without_middleware:
+        if option.startswith("--"):
+            value = getattr(args, option.removeprefix("--").replace("-", "_"), None)
+            given = value is not None and value is not False
+        else:
+            given = bool(getattr(vllm.envs, option))
+        if given:
+            return option, frontend
+    return None
 
 
 def make_arg_parser(parser: Any) -> Any:

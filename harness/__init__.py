@@ -13,6 +13,7 @@
   own, as an engine core does, without vLLM.
 - ``scripted_server``: a push server a test drives frame by frame.
 - ``client``: an OpenAI-API streaming client that times every token.
+- ``http_clients``: hostile clients on a raw socket (a head that never ends).
 - ``prometheus``: a real Prometheus (Debian's package) as a process on a random port.
 - ``cpu_async_server``: the launcher that keeps ``--async-scheduling`` on on CPU.
 """

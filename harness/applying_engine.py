@@ -24,7 +24,9 @@ class ApplyingEngine:
         model: str = "tiny",
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
+        vllm_version: str | None = None,
     ) -> None:
+        """``vllm_version``: what its HELLO says it runs (None: the vLLM installed here)."""
         self.name = name
         self.limiter = OutputRateLimiter(None)
         self._woken = threading.Event()
@@ -35,6 +37,7 @@ class ApplyingEngine:
             server_public_key=server_public_key,
             client_secret_key=client_secret_key,
             wake=self._woken.set,
+            vllm_version=vllm_version,
         )
         # version -> when it was applied (time.monotonic)
         self.applied_at: dict[int, float] = {}

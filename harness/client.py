@@ -55,8 +55,11 @@ async def stream_completion(
     prompt: str = "Once upon a time",
     stop_after_tokens: int | None = None,
     cancel: asyncio.Event | threading.Event | None = None,
+    result: StreamResult | None = None,
     **extra: Any,
 ) -> StreamResult:
+    """``result``: filled in place, so what arrived before the stream broke (an engine
+    stopped under it) is still the caller's when this raises."""
     body: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt,
@@ -68,7 +71,9 @@ async def stream_completion(
     body.setdefault("ignore_eos", True)
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
-    result = StreamResult(user=user, started=time.monotonic())
+    if result is None:
+        result = StreamResult(user=user)
+    result.started = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in sse_lines(response):

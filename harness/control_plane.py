@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, text
 
 from control_plane.cli import upgrade
 from harness.servers import free_port, wait_healthy
+from output_rate_core import protocol as p
 
 # The PostgreSQL server of the tests and benchmarks (trust auth, database `test`).
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -82,7 +83,8 @@ class Served:
 
     def assert_bind_refused_elsewhere(self, hello: bytes) -> None:
         """A peer sending `hello` (an encoded Hello of an id live on another replica)
-        gets nothing from this replica, and its refusal is counted exactly once."""
+        gets nothing from this replica but the refusal (engine_id_in_use), which is
+        counted exactly once."""
         counter = "output_rate_push_binds_refused_elsewhere"
         before = self.metric(counter)
         context = zmq.Context()
@@ -95,7 +97,10 @@ class Served:
             while self.metric(counter) < before + 1:
                 assert time.monotonic() < deadline, "the bind was not refused"
                 time.sleep(0.1)
-            assert sock.poll(500) == 0  # nothing was sent to it
+            assert sock.poll(5000) != 0
+            refused = p.decode(sock.recv())
+            assert isinstance(refused, p.Refused) and refused.reason == "engine_id_in_use"
+            assert sock.poll(500) == 0  # nothing else was sent to it
         finally:
             sock.close()
             context.term()

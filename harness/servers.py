@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,11 +117,23 @@ class VllmServer(Process):
         *flags: str,
         async_scheduling: bool = False,
         extra_env: dict[str, str] | None = None,
+        state_dir: Path | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        """``state_dir``: where its control-plane connections save what they applied
+        (default: a folder of its own beside its log, never the shared cache root);
+        ``port``: a restart on the port of an earlier server (default: a free one)."""
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.async_scheduling = async_scheduling
-        command = vllm_command(self.port, *flags, async_scheduling=async_scheduling)
+        self.state_dir = state_dir or log_path.with_name(f"{log_path.stem}-state")
+        command = vllm_command(
+            self.port,
+            *flags,
+            "--output-rate-state-dir",
+            str(self.state_dir),
+            async_scheduling=async_scheduling,
+        )
         # extra_env: e.g. the engine's CURVE secret key, which comes from the environment.
         super().__init__(command, log_path, env={**vllm_env(), **(extra_env or {})})
 
@@ -132,6 +145,18 @@ class VllmServer(Process):
             for line in text.splitlines()
             if line.startswith((name + "{", name + " "))
         )
+
+    def metric_by_user(self, name: str) -> dict[str, float]:
+        """user -> a per-user Prometheus metric of the plugin (summed over its other
+        labels), from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(name + "{"):
+                user = re.search(r'user="([^"]*)"', line)
+                assert user is not None, line
+                found[user.group(1)] = found.get(user.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+        return found
 
     def wait_ready(self) -> None:
         wait_until_serving(self, self.url)
@@ -204,3 +229,16 @@ class ControlPlane(Process):
                 return
             time.sleep(0.1)
         raise AssertionError(f"engines did not apply {version}: {engines}")
+
+
+def fleet_engine(log_dir: Path, cp: ControlPlane, engine_id: str) -> VllmServer:
+    """A vLLM engine (16 resident slots) in the fleet of the control plane ``cp``."""
+    return VllmServer(
+        log_dir / f"engine-{engine_id}.log",
+        "--control-plane-endpoint",
+        cp.zmq_endpoint,
+        "--output-rate-engine-id",
+        engine_id,
+        "--max-num-seqs",
+        "16",
+    )

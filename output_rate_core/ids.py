@@ -17,6 +17,9 @@ expressions that pydantic, msgspec and ``re`` all accept.
 - Model names: at most 512 characters, no control characters (``/`` is fine).
 - Tier names: 1-64 characters of letters, digits, ``. _ -``, starting with a letter
   or a digit.
+- vLLM versions (what an engine says it runs, shown in ``GET /engines``): at most 64
+  characters of letters, digits and ``. + ! _ -`` (PEP 440 versions, local labels
+  included: ``0.32.0+cpu``); empty: not known.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ MAX_USER_ID_LEN = 256
 MAX_ENGINE_ID_LEN = 256
 MAX_MODEL_LEN = 512
 MAX_TIER_NAME_LEN = 64
+MAX_VLLM_VERSION_LEN = 64
 
 _USER_CHAR = r"[^\x00-\x1f\x7f/\ufffd]"
 _USER_CHAR_NO_DOT = r"[^\x00-\x1f\x7f/\ufffd.]"
@@ -36,9 +40,28 @@ USER_ID_PATTERN = rf"^(?:{_USER_CHAR}*{_USER_CHAR_NO_DOT}{_USER_CHAR}*|\.{{3,}})
 ENGINE_ID_PATTERN = rf"^(?:{_ENGINE_CHAR}*{_ENGINE_CHAR_NO_DOT}{_ENGINE_CHAR}*|\.{{3,}})$"
 MODEL_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 TIER_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_TIER_NAME_LEN - 1}}}$"
+VLLM_VERSION_PATTERN = r"^[A-Za-z0-9.+!_-]*$"
+
+# Each pattern's rule in words (error messages say these, never the pattern).
+USER_ID_RULE = "may not contain '/', control characters or U+FFFD, nor be '.' or '..'"
+ENGINE_ID_RULE = "may only contain letters, digits and . _ - : @ [ ], and may not be '.' or '..'"
+MODEL_RULE = "may not contain control characters"
+TIER_NAME_RULE = (
+    f"must be 1-{MAX_TIER_NAME_LEN} letters, digits, '.', '_' or '-', starting with a letter "
+    "or a digit"
+)
+VLLM_VERSION_RULE = "may only contain letters, digits and . + ! _ -"
+PATTERN_RULES = {
+    USER_ID_PATTERN: USER_ID_RULE,
+    ENGINE_ID_PATTERN: ENGINE_ID_RULE,
+    MODEL_PATTERN: MODEL_RULE,
+    TIER_NAME_PATTERN: TIER_NAME_RULE,
+    VLLM_VERSION_PATTERN: VLLM_VERSION_RULE,
+}
 
 _USER_ID = re.compile(USER_ID_PATTERN)
 _ENGINE_ID = re.compile(ENGINE_ID_PATTERN)
+_VLLM_VERSION = re.compile(VLLM_VERSION_PATTERN)
 
 
 def _shown(value: str) -> str:
@@ -51,15 +74,13 @@ def check_user_id(user: object) -> str:
         raise ValueError(f"user ids must be non-empty strings, got {user!r}")
     if len(user) > MAX_USER_ID_LEN:
         raise ValueError(f"user id longer than {MAX_USER_ID_LEN} characters: {_shown(user)}")
-    if not _USER_ID.match(user):
-        raise ValueError(
-            f"user id {_shown(user)} contains control characters, '/' or U+FFFD, or is '.' or '..'"
-        )
+    if not _USER_ID.fullmatch(user):
+        raise ValueError(f"user id {_shown(user)}: a user id {USER_ID_RULE}")
     return user
 
 
 def is_user_id(user: str) -> bool:
-    return 0 < len(user) <= MAX_USER_ID_LEN and _USER_ID.match(user) is not None
+    return 0 < len(user) <= MAX_USER_ID_LEN and _USER_ID.fullmatch(user) is not None
 
 
 def check_engine_id(engine_id: object) -> str:
@@ -70,9 +91,17 @@ def check_engine_id(engine_id: object) -> str:
         raise ValueError(
             f"engine id longer than {MAX_ENGINE_ID_LEN} characters: {_shown(engine_id)}"
         )
-    if not _ENGINE_ID.match(engine_id):
-        raise ValueError(
-            f"engine id {_shown(engine_id)} may only contain letters, digits and . _ - : @ [ ] "
-            "and may not be '.' or '..'"
-        )
+    if not _ENGINE_ID.fullmatch(engine_id):
+        raise ValueError(f"engine id {_shown(engine_id)}: an engine id {ENGINE_ID_RULE}")
     return engine_id
+
+
+def wire_pattern(pattern: str) -> str:
+    """``pattern`` for msgspec, which reads it with Python's re: there ``$`` also
+    matches before a final newline, ``\\Z`` only at the end (REST's pydantic reads
+    ``$`` as the end and knows no ``\\Z``; the checks here use fullmatch)."""
+    return pattern.removesuffix("$") + r"\Z"
+
+
+def is_vllm_version(version: str) -> bool:
+    return len(version) <= MAX_VLLM_VERSION_LEN and _VLLM_VERSION.fullmatch(version) is not None

@@ -11,10 +11,12 @@ unlimited one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from output_rate_core import protocol as p
+from output_rate_core.outage import FRACTION, OutagePolicy
 from output_rate_core.policy import NO_POLICY, Enforcement, Policy, Scope
 
 Source = Literal["override", "tier", "default"]
@@ -44,6 +46,46 @@ def safe_share(limit_milli: int, num_engines: int) -> int:
     return max(1, limit_milli // max(1, num_engines))
 
 
+# What a message takes to arrive, at the most, in the bound's reckoning (docs/fleet.md).
+DELIVERY_MARGIN_S = 1.0
+
+
+def min_gone_after_s(lease_s: float, keep_s: float = 0.0) -> float:
+    """The shortest ``gone_after_s`` under which the bound holds: an engine silent for
+    ``lease_s`` is sent nothing more, but the last renewal it was sent (up to ``lease_s``
+    after it was last heard) may arrive and be enforced for another ``lease_s`` (and
+    ``keep_s`` past it, the "keep" outage policy); its part is free only after both, and a
+    delivery (a one-way partition: the engine hears, the control plane does not)."""
+    return 2 * lease_s + keep_s + DELIVERY_MARGIN_S
+
+
+def kept_count_ttl_ns(lease_ms: int, keep_ms: int) -> int:
+    """How long an engine keeps a serving count past the share it came with (from the
+    arrival of the frame that withdrew the share): ``min_gone_after_s`` of the lease and
+    keep time that frame carried, the least time any control plane keeps an engine it
+    stopped hearing. The allocator keeps its record of the count at least that long
+    (docs/fleet.md, "Outage policy": a count's age), so wherever the engine may still use
+    the count while the control plane hears it, the allocator accounts for it; past it the
+    engine uses the safe share of the whole fleet, which every allocator accounts."""
+    return round(min_gone_after_s(lease_ms / 1000, keep_ms / 1000) * 1e9)
+
+
+def outage_share(
+    limit_milli: int, num_engines: int, num_serving: int | None, policy: OutagePolicy
+) -> int:
+    """What an engine enforces of a fleet limit (milli-tokens/s) once its lease ended (and
+    a keep window after it): ``fraction`` x L in that mode; else L over the engines serving
+    the user (``num_serving``, as the control plane said with the user's last share), and
+    for a user it never had a count for (None) the safe share of the whole fleet. Both
+    sides use it: the engine to enforce, the allocator to account what an engine may be
+    enforcing. Never 0, like the safe share."""
+    if policy.mode == FRACTION:
+        return max(1, math.floor(limit_milli * policy.fraction))
+    if num_serving is None:
+        return safe_share(limit_milli, num_engines)
+    return safe_share(limit_milli, num_serving)
+
+
 @dataclass(frozen=True)
 class Effective:
     """What one user is held to."""
@@ -52,6 +94,9 @@ class Effective:
     source: Source
     scope: Scope
     enforcement: Enforcement = ENFORCE
+    # tokens/s the user may reach by borrowing idle capacity; None: none (its rate is a
+    # hard limit). Always above the rate when set.
+    ceiling: int | None = None
 
 
 # What an op changed: the users named, or EVERYONE (the default changed).
@@ -94,7 +139,8 @@ class LimitModel:
         """What a user of `tier` (None: none) with its `own` policy is held to here.
 
         The inheritance rule, written only here: each field is the user's own value,
-        else its tier's, else the default's, else the built-in one (BUILT_IN_*). A tier's
+        else its tier's, else the default's, else the built-in one (BUILT_IN_*). A
+        ceiling that does not exceed the resolved rate borrows nothing (None). A tier's
         rate is its users' even when None: an unlimited tier makes its users unlimited
         (a tier that is not in the model, too)."""
         default = self.default
@@ -108,16 +154,24 @@ class LimitModel:
             rate, source = default.rate, DEFAULT
         scope = own.scope
         mode = own.enforcement
+        ceiling = own.ceiling
         if tier_policy is not None:
             scope = scope if scope is not None else tier_policy.scope
             mode = mode if mode is not None else tier_policy.enforcement
+            ceiling = ceiling if ceiling is not None else tier_policy.ceiling
         scope = scope if scope is not None else default.scope
         mode = mode if mode is not None else default.enforcement
+        ceiling = ceiling if ceiling is not None else default.ceiling
+        if rate is None or (ceiling is not None and ceiling <= rate):
+            # Nothing to borrow: an unlimited user, or a ceiling inherited from a level
+            # whose rate was lower than this user's (each level's own is >= its rate).
+            ceiling = None
         return Effective(
             rate,
             source,
             scope if scope is not None else BUILT_IN_SCOPE,
             mode if mode is not None else BUILT_IN_ENFORCEMENT,
+            ceiling,
         )
 
     @property

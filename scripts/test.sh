@@ -18,13 +18,31 @@ echo "== biome (web/: format, lint, import order; warnings fail too)"
 (cd web && node_modules/.bin/biome ci --error-on-warnings)
 echo "== mypy"
 mypy
-echo "== pytest"
-python -m pytest "$@"
+if [ $# -gt 0 ]; then
+    echo "== pytest $*"
+    exec python -m pytest "$@"
+fi
 
-# The engine plugin on every supported vLLM release, and vLLM's own scheduler tests of each
-# with the plugin's schedulers (the releases are installed by setup.sh into .cache/). Only
-# in a full run: arguments select tests of the main run above.
-if [ $# -eq 0 ]; then
-    echo "== vLLM releases"
-    bash scripts/test_vllm_releases.sh
+# A full run, in two phases. The engine plugin on every supported vLLM release and vLLM's
+# own scheduler tests of each (scripts/test_vllm_releases.sh, releases installed by
+# setup.sh into .cache/) run in-process with fake clocks: they go beside the tests that
+# start no vLLM server, each on one of the two cores. The e2e tests (marker e2e: real vLLM
+# servers, rates measured against baselines in the same test) then run alone.
+releases_log=$(mktemp)
+bash scripts/test_vllm_releases.sh >"$releases_log" 2>&1 &
+releases=$!
+failed=()
+echo "== pytest: every test but the e2e ones, on two workers (the vLLM releases' part runs beside it)"
+# Most of these tests wait on real processes, sockets and timers rather than compute, so two
+# workers (one test file each at a time: a file's servers are started once) overlap the waits.
+python -m pytest -m "not e2e" -n 2 --dist loadfile || failed+=("pytest -m 'not e2e'")
+wait "$releases" || failed+=("scripts/test_vllm_releases.sh")
+echo "== vLLM releases"
+cat "$releases_log"
+rm -f "$releases_log"
+echo "== pytest: the e2e tests"
+python -m pytest -m e2e || failed+=("pytest -m e2e")
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
 fi

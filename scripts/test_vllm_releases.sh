@@ -23,6 +23,8 @@ RELEASE_TESTS=(
     tests/engine_ext/test_scheduler_fleet.py
     tests/engine_ext/test_scheduler_isolation.py
     tests/engine_ext/test_scheduler_shadow.py
+    tests/engine_ext/test_scheduler_spec.py
+    tests/engine_ext/test_scheduler_borrow.py
     tests/engine_ext/test_waiting.py
     tests/engine_ext/test_planner.py
     tests/engine_ext/test_vllm_compat.py

@@ -2,10 +2,11 @@
 // in its own module under src/views/. Talks only to the server that serves it.
 
 import { api, getToken, setToken } from "./src/api.js";
+import { isDown, isOutage, onConnectionChange } from "./src/connection.js";
 import { h } from "./src/dom.js";
 import { toast } from "./src/feedback.js";
 import { parseHash } from "./src/router.js";
-import { canWrite, detectRole, session } from "./src/session.js";
+import { canWrite, detectRole, session, signOut } from "./src/session.js";
 import * as audit from "./src/views/audit.js";
 import * as engines from "./src/views/engines.js";
 import * as overview from "./src/views/overview.js";
@@ -27,6 +28,11 @@ const main = document.getElementById("view");
 let current = null;
 let timer = null;
 let generation = 0;
+// While the control plane does not answer, a view (or a view that could not be drawn)
+// tries again this often, whatever its own refresh interval.
+const RETRY_MS = 2000;
+// When the view shown last drew data from the server (ms since the epoch; null: none).
+let drawnAt = null;
 // Forms of the view the operator typed into (search forms aside). The periodic refresh
 // redraws the view as before, but a typed form it replaced is put back as the operator
 // left it; if the redrawn one differed (the data behind it changed), a notice says so
@@ -82,6 +88,49 @@ const changed = h(
 );
 main.before(changed);
 
+// While the control plane does not answer: the view greyed, a banner and each panel
+// saying how old what it shows is, the header's version marked unknown. Cleared by the
+// first answer (connection.js); the view's next refresh redraws it from fresh data.
+const stale = h("p", { id: "stale", class: "banner bad", role: "status", hidden: true });
+main.before(stale);
+let staleTimer = null;
+const secondsAgo = () => Math.max(0, Math.round((Date.now() - (drawnAt ?? Date.now())) / 1000));
+function showStale() {
+  const down = isDown();
+  stale.hidden = !down;
+  main.classList.toggle("unreachable", down);
+  document.getElementById("version").classList.toggle("unreachable", down);
+  for (const note of main.querySelectorAll(".stale-note")) if (!down) note.remove();
+  if (!down) return;
+  const ago = drawnAt === null ? null : secondsAgo();
+  stale.textContent =
+    ago === null
+      ? "Cannot reach the control plane. Retrying every 2 seconds…"
+      : `Cannot reach the control plane: what this page shows was last updated ${ago} s ago ` +
+        `(${new Date(drawnAt).toLocaleTimeString()}) and may be out of date. ` +
+        "Retrying every 2 seconds…";
+  for (const card of main.querySelectorAll("section.card")) {
+    let note = card.querySelector(":scope > .stale-note");
+    if (!note) {
+      note = h("p", { class: "stale-note" });
+      card.querySelector(":scope > h2")?.after(note);
+    }
+    note.textContent = ago === null ? "Not updated" : `Last updated ${ago} s ago`;
+  }
+}
+// A view refreshing less often than RETRY_MS learns of an outage from this probe.
+setInterval(() => {
+  if (session.role) api("GET", "/healthz").catch(() => {});
+}, RETRY_MS);
+onConnectionChange((down) => {
+  clearInterval(staleTimer);
+  if (down) staleTimer = setInterval(showStale, 1000);
+  showStale();
+  current?.onConnection?.(down);
+  // Back: redraw from fresh data now, not at the view's next tick.
+  if (!down) retryNow();
+});
+
 // One refresh of the view that keeps what the operator typed.
 async function refreshKeepingInput(view) {
   const kept = typedForms().map((form) => ({ form, drawn: asDrawn.get(form) }));
@@ -105,6 +154,7 @@ function showRole() {
   role.hidden = !session.role;
   role.textContent = session.role === "admin" ? "admin" : "read-only";
   document.getElementById("readonly").hidden = session.role !== "viewer";
+  document.getElementById("sign-out").hidden = !session.role;
   document.body.classList.toggle("viewer", session.role === "viewer");
 }
 
@@ -117,9 +167,42 @@ async function showVersion() {
   }
 }
 
+// The view's refreshes, one after another: every `interval` ms, every RETRY_MS while the
+// control plane does not answer. An outage is said by the banner, not by a toast a tick.
+function scheduleRefresh(view, mine, delay = null) {
+  timer = setTimeout(
+    async () => {
+      if (mine !== generation) return;
+      try {
+        await refreshKeepingInput(view);
+        // A view may draw what it could of a failed round (a part it retries itself).
+        if (!isDown()) drawnAt = Date.now();
+      } catch (error) {
+        if (!isOutage(error)) toast(error.message, "error");
+      }
+      if (mine !== generation) return;
+      showStale();
+      showVersion();
+      scheduleRefresh(view, mine);
+    },
+    delay ?? (isDown() ? Math.min(RETRY_MS, view.interval || 5000) : view.interval || 5000),
+  );
+}
+
+// The view's next refresh (or, if it could not be drawn, its drawing) at once.
+function retryNow() {
+  if (current?.refresh) {
+    clearTimeout(timer);
+    scheduleRefresh(current, generation, 0);
+  } else if (main.querySelector("#view-retry")) {
+    clearTimeout(timer);
+    route({ focus: false });
+  }
+}
+
 async function route({ focus = true } = {}) {
   const mine = ++generation;
-  clearInterval(timer);
+  clearTimeout(timer);
   changed.hidden = true;
   if (current?.destroy) current.destroy();
   current = null;
@@ -170,23 +253,23 @@ async function route({ focus = true } = {}) {
         title.focus();
       }
     }
-    if (current.refresh) {
-      const view = current;
-      timer = setInterval(async () => {
-        try {
-          await refreshKeepingInput(view);
-        } catch (error) {
-          toast(error.message, "error");
-        }
-        showVersion();
-      }, current.interval || 5000);
-    }
+    drawnAt = Date.now();
+    showStale();
+    if (current.refresh) scheduleRefresh(current, mine);
     showVersion();
   } catch (error) {
+    if (mine !== generation) return;
+    const outage = isOutage(error);
     main.replaceChildren(
       h("h2", { class: "view-title" }, TITLES[r.view] || "Error"),
-      h("p", { class: "field-error", role: "alert" }, error.message),
+      h("p", { class: "field-error", role: "alert", id: "view-error" }, error.message),
+      outage ? h("p", { class: "hint", id: "view-retry" }, "Trying again every 2 seconds…") : null,
     );
+    drawnAt = null;
+    showStale();
+    // A view that could not be drawn because the server did not answer draws itself
+    // once it does, without a reload (and keeps the error until then).
+    if (outage) timer = setTimeout(() => mine === generation && route({ focus: false }), RETRY_MS);
   }
 }
 
@@ -199,6 +282,14 @@ document.getElementById("token-form").addEventListener("submit", async (event) =
   if (session.role)
     toast(session.role === "admin" ? "Signed in as admin." : "Signed in read-only (viewer token).");
   route();
+});
+document.getElementById("sign-out").addEventListener("click", () => {
+  signOut();
+  document.getElementById("token").value = "";
+  showRole();
+  toast("Signed out: this browser no longer holds the token.");
+  route();
+  document.getElementById("token").focus();
 });
 window.addEventListener("hashchange", () => route());
 

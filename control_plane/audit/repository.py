@@ -82,6 +82,18 @@ def entry_ids(
     return list(conn.execute(query.order_by(audit_log.c.id.desc()).limit(limit)).scalars())
 
 
+def last_version(conn: Connection, target: AuditTarget) -> int | None:
+    """The config version of the newest entry about `target` (None: none): one probe of
+    ix_audit_log_target_kind_target_id."""
+    query = (
+        select(audit_log.c.version)
+        .where(audit_log.c.target_kind == target.kind, audit_log.c.target == target.id)
+        .order_by(audit_log.c.id.desc())
+        .limit(1)
+    )
+    return conn.execute(query).scalar()
+
+
 def bulk_ids_of_user(
     conn: Connection, *, limit: int, before_id: int | None, user: str
 ) -> list[int]:

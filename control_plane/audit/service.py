@@ -49,6 +49,12 @@ def record(conn: Connection, *, version: int, entry: Entry) -> None:
     )
 
 
+def last_version(conn: Connection, target: AuditTarget) -> int | None:
+    """The config version that last changed `target` (None: nothing did yet): every
+    change is recorded with its version, in its own transaction."""
+    return repo.last_version(conn, target)
+
+
 # kind -> what a `target` of that kind looks like (user and bulk: the route's user-id rule)
 _TARGET_RULES = {
     "tier": (re.compile(TIER_NAME_PATTERN), "a tier name"),

@@ -47,14 +47,15 @@ STATE_COLUMNS = (
     config_state.c.default_rate,
     config_state.c.default_scope,
     config_state.c.default_enforcement,
+    config_state.c.default_ceiling,
     config_state.c.num_users,
 )
 
 
 def state_of(row: Any) -> State:
     assert row is not None, "config_state row is created by the initial migration"
-    version, rate, scope, enforcement, num_users = row
-    return State(version, Policy(rate, scope, enforcement), num_users)
+    version, rate, scope, enforcement, ceiling, num_users = row
+    return State(version, Policy(rate, scope, enforcement, ceiling), num_users)
 
 
 _GET_STATE = select(*STATE_COLUMNS).where(config_state.c.id == CONFIG_ROW_ID)
@@ -100,6 +101,7 @@ def set_default(conn: Connection, policy: Policy) -> None:
             default_rate=policy.rate,
             default_scope=policy.scope,
             default_enforcement=policy.enforcement,
+            default_ceiling=policy.ceiling,
         )
     )
 
@@ -107,7 +109,9 @@ def set_default(conn: Connection, policy: Policy) -> None:
 # ---- the configuration: tiers and users ------------------------------------------
 
 
-_TIER_POLICIES = select(tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement)
+_TIER_POLICIES = select(
+    tiers.c.name, tiers.c.rate, tiers.c.scope, tiers.c.enforcement, tiers.c.ceiling
+)
 _TIER_POLICY = _TIER_POLICIES.where(tiers.c.name == bindparam("name"))
 
 
@@ -121,7 +125,7 @@ def tier_policies(conn: Connection, names: Collection[str] | None = None) -> dic
         rows = conn.execute(_TIER_POLICIES.where(tiers.c.name.in_(list(names))))
     else:
         return {}
-    return {name: Policy(rate, scope, mode) for name, rate, scope, mode in rows}
+    return {name: Policy(*policy) for name, *policy in rows}
 
 
 class UserRecord(NamedTuple):
@@ -139,13 +143,14 @@ RECORD_COLUMNS = (
     user_limits.c.rate,
     user_limits.c.scope,
     user_limits.c.enforcement,
+    user_limits.c.ceiling,
     user_limits.c.version,
 )
 
 
 def user_record(row: Any) -> UserRecord:
-    tier, rate, scope, enforcement, version = row
-    return UserRecord(tier, Policy(rate, scope, enforcement), version)
+    tier, rate, scope, enforcement, ceiling, version = row
+    return UserRecord(tier, Policy(rate, scope, enforcement, ceiling), version)
 
 
 _GET_USER = select(*RECORD_COLUMNS).where(user_limits.c.user == bindparam("user"))
@@ -169,19 +174,17 @@ def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord
     return found
 
 
-def all_users(conn: Connection) -> dict[str, UserPolicy]:
-    """user -> (its tier, its own policy), every configured user (as a snapshot has them)."""
+def all_user_rows(conn: Connection) -> Iterable[p.UserRow]:
+    """Every configured user's row, its policy flat (what a snapshot is built from)."""
     columns = (
         user_limits.c.user,
         user_limits.c.tier,
         user_limits.c.rate,
         user_limits.c.scope,
         user_limits.c.enforcement,
+        user_limits.c.ceiling,
     )
-    return {
-        user: (tier, Policy(rate, scope, enforcement))
-        for user, tier, rate, scope, enforcement in conn.execute(select(*columns))
-    }
+    return conn.execute(select(*columns)).tuples()
 
 
 # ---- what a commit writes: the ops projected onto the tables --------------------
@@ -195,6 +198,7 @@ _UPDATE_USER = (
         rate=bindparam("rate"),
         scope=bindparam("scope"),
         enforcement=bindparam("enforcement"),
+        ceiling=bindparam("ceiling"),
         version=bindparam("version"),
         updated_at=bindparam("updated_at"),
     )
@@ -232,6 +236,7 @@ def _write_users(
             "rate": policy.rate,
             "scope": policy.scope,
             "enforcement": policy.enforcement,
+            "ceiling": policy.ceiling,
             "version": version,
             "updated_at": now,
         }
@@ -263,6 +268,7 @@ def insert_tier(
             rate=policy.rate,
             scope=policy.scope,
             enforcement=policy.enforcement,
+            ceiling=policy.ceiling,
             description=description,
             version=version,
             num_users=0,
@@ -281,6 +287,7 @@ def update_tier(
             rate=policy.rate,
             scope=policy.scope,
             enforcement=policy.enforcement,
+            ceiling=policy.ceiling,
             description=description,
             version=version,
             updated_at=datetime.now(UTC),

@@ -20,9 +20,9 @@ from sqlalchemy import Connection
 from control_plane.audit import service as audit
 from control_plane.config import repository as repo
 from control_plane.config.repository import Change, State, UserRecord
-from control_plane.db import service
+from control_plane.db import Commit, service
 from output_rate_core import protocol as p
-from output_rate_core.limits import LimitModel, UserPolicy
+from output_rate_core.limits import Effective, LimitModel, UserPolicy
 from output_rate_core.policy import Policy
 
 
@@ -40,10 +40,12 @@ def commit(
     *,
     model: LimitModel | None = None,
     descriptions: Mapping[str, str] | None = None,
-) -> int:
+) -> Commit:
     """The version after `state`, made of `ops`: the version bumped once, its change-log
     row, its audit entry, and the ops' limit changes written onto the tables, in the
-    caller's transaction (which holds the lock `state` came from).
+    caller's transaction (which holds the lock `state` came from). Returned with its
+    ops, for the push to engines (control_plane/push/log_reader.py sends them as they
+    are when it has every version before).
 
     `model`: the limit model before the ops, holding every user and tier they name (what
     each had decides between insert and update, and the user counts); `descriptions`:
@@ -58,7 +60,7 @@ def commit(
     repo.bump_config(conn, version=version, new_users=num_new_users)
     repo.add_change(conn, version=version, ops=ops)
     audit.record(conn, version=version, entry=entry)
-    return version
+    return Commit(version, tuple(ops))
 
 
 def _project(
@@ -126,15 +128,20 @@ def user_records(conn: Connection, users: Sequence[str]) -> dict[str, UserRecord
 
 
 def effective_rates(conn: Connection, users: Sequence[str]) -> dict[str, int | None]:
-    """Each user's effective rate (None: unlimited), resolved in the limit model of the
-    default, every tier and the records of these users."""
+    """Each user's effective rate (None: unlimited)."""
+    return {user: e.rate for user, e in effective_of(conn, users).items()}
+
+
+def effective_of(conn: Connection, users: Sequence[str]) -> dict[str, Effective]:
+    """What each user is held to, resolved in the limit model of the default, every tier
+    and the records of these users."""
     records = repo.user_records(conn, users)
     model = LimitModel(
         repo.get_config(conn).default,
         repo.tier_policies(conn),
         {user: (r.tier, r.policy) for user, r in records.items()},
     )
-    return {user: model.effective(user).rate for user in users}
+    return {user: model.effective(user) for user in users}
 
 
 def tiers_of(conn: Connection, users: Sequence[str]) -> dict[str, str | None]:
@@ -164,6 +171,6 @@ def load_snapshot(conn: Connection) -> p.Snapshot:
     if not conn.in_transaction() and conn.dialect.name == "postgresql":
         conn.execution_options(isolation_level="REPEATABLE READ")
     state = repo.get_config(conn)
-    return p.Snapshot.of(
-        state.version, state.default, repo.tier_policies(conn), repo.all_users(conn)
+    return p.Snapshot.of_rows(
+        state.version, state.default, repo.tier_policies(conn), repo.all_user_rows(conn)
     )

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, Row, String, bindparam, delete, func, insert, select, update
 
 from control_plane.models import Engine, table
 from output_rate_core import protocol as p
@@ -100,6 +100,14 @@ def count_homed_since(conn: Connection, cutoff: datetime) -> int:
     return int(conn.execute(query).scalar_one())
 
 
+def ids_seen_since(conn: Connection, cutoff: datetime) -> list[str]:
+    """Engine cores heard after ``cutoff``, connected or not."""
+    query = select(engines.c.engine_id).where(
+        engines.c.last_seen >= cutoff, engines.c.applied_version > 0
+    )
+    return list(conn.execute(query).scalars())
+
+
 def ids_homed_since(conn: Connection, cutoff: datetime) -> list[str]:
     query = select(engines.c.engine_id).where(engines.c.connected, engines.c.home_seen_at >= cutoff)
     return list(conn.execute(query).scalars())
@@ -112,8 +120,8 @@ def update_engines(
     home: str | None = None,
     home_seen_at: datetime | None = None,
 ) -> None:
-    """rows: engine_id, model, applied_version, last_seen (all mark it connected; with
-    ``home``, homed at that replica as of ``home_seen_at``)."""
+    """rows: engine_id, model, vllm_version, applied_version, last_seen (all mark it
+    connected; with ``home``, homed at that replica as of ``home_seen_at``)."""
     if not rows:
         return
     homed = {} if home is None else {"home_replica": home, "home_seen_at": home_seen_at}
@@ -123,6 +131,12 @@ def update_engines(
         .values(
             # A peer known only from a heartbeat has no model: keep the one we had.
             model=func.coalesce(func.nullif(bindparam("new_model"), ""), engines.c.model),
+            # None: not said on this connection (bound by a heartbeat after a restart),
+            # keep the one we had; "": said it is not known.
+            vllm_version=func.nullif(
+                func.coalesce(bindparam("new_vllm_version", type_=String), engines.c.vllm_version),
+                "",
+            ),
             applied_version=bindparam("new_applied_version"),
             connected=True,
             last_seen=bindparam("new_last_seen"),
@@ -135,6 +149,7 @@ def update_engines(
             {
                 "id": r["engine_id"],
                 "new_model": r["model"],
+                "new_vllm_version": r["vllm_version"],
                 "new_applied_version": r["applied_version"],
                 "new_last_seen": r["last_seen"],
             }

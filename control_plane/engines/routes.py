@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 
 from control_plane.auth import ReaderDep, WriterDep
-from control_plane.deps import DatabaseDep, FleetDep, SettingsDep
+from control_plane.deps import ClaimsDep, DatabaseDep, FlaggedDep, FleetDep, SettingsDep
 from control_plane.engines import service
 from control_plane.engines.schemas import EngineList
 from control_plane.schemas import ERRORS, NOT_FOUND
@@ -22,13 +22,20 @@ EnginePath = Annotated[
 
 @router.get("/engines", response_model=EngineList)
 async def list_engines(
-    db: DatabaseDep, settings: SettingsDep, fleet: FleetDep, _: ReaderDep
+    db: DatabaseDep,
+    settings: SettingsDep,
+    fleet: FleetDep,
+    claims: ClaimsDep,
+    flagged: FlaggedDep,
+    _: ReaderDep,
 ) -> EngineList:
     return await db.run(
         service.list_engines,
         timeout_s=settings.engine_timeout_s,
         retention_s=settings.engine_retention_s,
         fleet=fleet,
+        claims=claims,
+        flagged=flagged,
     )
 
 

@@ -10,6 +10,10 @@ from pydantic import BaseModel, Field
 class EngineOut(BaseModel):
     engine_id: str
     model: str
+    vllm_version: str | None = Field(
+        description="vLLM version the engine core runs, as it said when it connected; "
+        "null: not known (an engine whose vllm-output-rate predates it)",
+    )
     applied_version: int
     connected: bool
     last_seen: datetime
@@ -22,6 +26,29 @@ class EngineOut(BaseModel):
     home: str | None = Field(
         description="Replica (OUTPUT_RATE_REPLICA_ID) the engine core is connected to; "
         "null: no replica holds it now",
+    )
+    refused_claims: int = Field(
+        description="Connections refused this engine id because it was live (two engines "
+        "with one id), counted by the replica answering since it started",
+    )
+    last_refused_claim_at: datetime | None = Field(
+        description="When the last such claim was refused; null: none was",
+    )
+    last_refused_claim_from: str | None = Field(
+        description="The address the last refused claim came from ('' when unknown); "
+        "null: none was refused",
+    )
+    implausible_demands: int = Field(
+        description="Demand frames of this engine flagged implausible (more streams than any "
+        "queue of its capacity, or demand for too many users), counted by the replica "
+        "answering since it started",
+    )
+    last_implausible_demand_at: datetime | None = Field(
+        description="When the last such frame came; null: none was flagged",
+    )
+    last_implausible_demand: str | None = Field(
+        description="What the last such frame claimed, e.g. '9007199254740992 streams of "
+        "one user (capacity 256)'; null: none was flagged",
     )
 
 

@@ -5,21 +5,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection
 
 from control_plane.config import service as config
 from control_plane.db import service
-from control_plane.deps import FleetView
+from control_plane.deps import FlaggedDemandsView, FleetView, RefusedClaimsView
 from control_plane.engines import repository as repo
 from control_plane.engines.schemas import EngineList, EngineOut
 from control_plane.errors import NotFound
 from control_plane.fencing import LEADER, check_fence, database_now
 from control_plane.fleet.view import NoFleet
+from control_plane.push.claims import RefusedClaim, RefusedClaims
+from control_plane.push.flagged import Flagged, FlaggedDemands
 from output_rate_core import protocol as p
 
-# What /metrics lists engines with: it shows no shares.
+# What /metrics lists engines with: it shows no shares, no refused claims, no flags.
 NO_FLEET = NoFleet()
+NO_CLAIMS = RefusedClaims()
+NO_FLAGS = FlaggedDemands()
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class EngineSeen:
     applied_version: int
     first_seen: datetime
     role: p.Role = p.ENGINE_ROLE
+    # The vLLM it said it runs ("": not known); None: it did not say on this connection
+    # (bound by a heartbeat after a restart): the row keeps what it had.
+    vllm_version: str | None = None
 
 
 # A row of an engine that never applied a version (it connected and never acknowledged
@@ -45,14 +53,17 @@ def list_engines(
     timeout_s: float,
     retention_s: float = float("inf"),
     fleet: FleetView = NO_FLEET,
+    claims: RefusedClaimsView = NO_CLAIMS,
+    flagged: FlaggedDemandsView = NO_FLAGS,
 ) -> EngineList:
     """Engines seen within `retention_s` (older rows are deleted by the push server), with
-    the shares `fleet` has them hold."""
+    the shares `fleet` has them hold and the claims of their ids this replica refused."""
     now = datetime.now(UTC)
     items = [
         EngineOut(
             engine_id=e.engine_id,
             model=e.model,
+            vllm_version=e.vllm_version,
             applied_version=e.applied_version,
             connected=e.connected and (now - e.last_seen).total_seconds() <= timeout_s,
             last_seen=e.last_seen,
@@ -66,11 +77,39 @@ def list_engines(
             home=e.home_replica
             if e.home_seen_at is not None and (now - e.last_seen).total_seconds() <= timeout_s
             else None,
+            **_refused_claims(claims.of(e.engine_id)),
+            **_flagged_demand(flagged.of(e.engine_id)),
         )
         for e in repo.list_engines(conn)
         if (now - e.last_seen).total_seconds() <= retention_s
     ]
     return EngineList(version=config.current_version(conn), items=items)
+
+
+def _refused_claims(refused: RefusedClaim | None) -> dict[str, Any]:
+    """The fields of an engine's row that show the claims of its id refused here."""
+    if refused is None:
+        return {"refused_claims": 0, "last_refused_claim_at": None, "last_refused_claim_from": None}
+    return {
+        "refused_claims": refused.num_refused,
+        "last_refused_claim_at": refused.last_at,
+        "last_refused_claim_from": refused.last_from,
+    }
+
+
+def _flagged_demand(flagged: Flagged | None) -> dict[str, Any]:
+    """The fields of an engine's row that show its demand flagged implausible here."""
+    if flagged is None:
+        return {
+            "implausible_demands": 0,
+            "last_implausible_demand_at": None,
+            "last_implausible_demand": None,
+        }
+    return {
+        "implausible_demands": flagged.num_flagged,
+        "last_implausible_demand_at": flagged.last_at,
+        "last_implausible_demand": flagged.last_reason,
+    }
 
 
 @service("write")
@@ -145,15 +184,22 @@ def live_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
     return repo.ids_homed_since(conn, database_now(conn) - timedelta(seconds=within_s))
 
 
+@service("read")
+def recent_engine_ids(conn: Connection, *, within_s: float) -> list[str]:
+    """Engine cores heard within ``within_s``, connected or not: the engines a fleet that
+    drops a silent engine after ``within_s`` may still count."""
+    return repo.ids_seen_since(conn, datetime.now(UTC) - timedelta(seconds=within_s))
+
+
 @service("write")
 def record_engines(
     conn: Connection, *, seen: Sequence[EngineSeen], replica: str | None = None
 ) -> set[tuple[str, p.Role]]:
     """Engine cores and API servers that are connected now, as last seen: one row per
-    engine_id. The core owns the row's model, applied version and connected flag; its
-    API server only its api_applied_version (and keeps the row from expiring). With
-    ``replica``, both are homed at that replica, heard now; returns the (engine id,
-    role) homed at another replica (it claimed them since: not written)."""
+    engine_id. The core owns the row's model, vLLM version, applied version and
+    connected flag; its API server only its api_applied_version (and keeps the row from
+    expiring). With ``replica``, both are homed at that replica, heard now; returns the
+    (engine id, role) homed at another replica (it claimed them since: not written)."""
     now = datetime.now(UTC)
     # engine id -> role -> what was seen of it
     by_id: dict[str, dict[p.Role, EngineSeen]] = {}
@@ -187,6 +233,7 @@ def record_engines(
                 {
                     "engine_id": engine_id,
                     "model": core.model if core else "",
+                    "vllm_version": (core.vllm_version or None) if core else None,
                     "applied_version": core.applied_version if core else 0,
                     "connected": core is not None,
                     "api_applied_version": api.applied_version if api else None,
@@ -200,6 +247,7 @@ def record_engines(
                 {
                     "engine_id": engine_id,
                     "model": core.model,
+                    "vllm_version": core.vllm_version,
                     "applied_version": core.applied_version,
                     "last_seen": now,
                 }

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +34,7 @@ from control_plane.config.follower import Catchup, LogFollower
 from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
 from output_rate_core import protocol as p
 from output_rate_core.limits import EVERYONE, FLEET
+from output_rate_core.outage import DEFAULT_OUTAGE, OutagePolicy
 
 # Users nobody reports demand for any more are dropped from the tracked set this often.
 TRACKED_SWEEP_INTERVAL_S = 30.0
@@ -42,15 +42,16 @@ TRACKED_SWEEP_INTERVAL_S = 30.0
 # delivery of the predecessor's last message (a relayed one waits for its batch).
 TAKEOVER_MARGIN_S = 1.0
 # How long a new coordinator waits for the whole demand of the engines the fleet had: an
-# engine whose replica stopped moves to the next after 3 x SERVER_SILENCE_S (10.5 s) and
+# engine whose replica stopped moves to the next after SERVER_SILENCE_S (3.5 s) and
 # says its whole demand after its snapshot; one still connected restates it every 5 s.
 SEED_WAIT_S = 15.0
 
 
-def quiet_until(predecessor_stopped_at: float, lease_s: float) -> float:
+def quiet_until(predecessor_stopped_at: float, lease_s: float, kept_s: float = 0.0) -> float:
     """When a coordinator may send its first shares: every lease its predecessor, which
-    sent nothing after ``predecessor_stopped_at`` (monotonic), gave out has ended."""
-    return predecessor_stopped_at + lease_s + TAKEOVER_MARGIN_S
+    sent nothing after ``predecessor_stopped_at`` (monotonic), gave out has ended, and the
+    time engines keep their shares past it (``kept_s``: the "keep" outage policy)."""
+    return predecessor_stopped_at + lease_s + kept_s + TAKEOVER_MARGIN_S
 
 
 class FleetCoordinator:
@@ -61,16 +62,26 @@ class FleetCoordinator:
         gone_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         quiet_until: float = -math.inf,
+        outage: OutagePolicy = DEFAULT_OUTAGE,
     ) -> None:
         self._clock = clock
         self.quiet_until = quiet_until
-        self._allocator = FleetAllocator(clock=clock, lease_s=lease_s, gone_after_s=gone_after_s)
+        self._allocator = FleetAllocator(
+            clock=clock, lease_s=lease_s, gone_after_s=gone_after_s, outage=outage
+        )
+        # Every Shares frame carries the outage policy (engines apply it at lease end).
+        self._outage = outage
+        self._outage_keep_ms = round(outage.keep_s * 1000)
         self._lock = threading.Lock()
         self._limits = LogFollower()
         # Users the allocator was given a limit for.
         self._tracked: set[str] = set()
         self._next_sweep = clock() + TRACKED_SWEEP_INTERVAL_S
-        self._epochs = itertools.count(secrets.randbits(40))
+        # Ordered across coordinators (a restart, a new leader): microseconds of the wall
+        # clock at its start, one more per join. An engine refuses a full table of a lower
+        # epoch while its lease holds (a delayed frame of an allocator that is gone); a
+        # clock behind makes the new one wait for that lease, no more (docs/fleet.md).
+        self._epochs = itertools.count(time.time_ns() // 1000)
         # engine id -> the epoch of its current membership
         self._epoch_of: dict[str, int] = {}
         # Engines of the fleet not heard with their whole demand yet, and until when
@@ -83,6 +94,16 @@ class FleetCoordinator:
     @property
     def num_engines(self) -> int:
         return max(1, self._allocator.num_engines)
+
+    @property
+    def gone_after_s(self) -> float:
+        return self._allocator.gone_after_s
+
+    def size_with(self, joining: Iterable[str]) -> int:
+        """The fleet size once ``joining`` are in it (those it knows count once)."""
+        with self._lock:
+            known = self._allocator.knows_engine
+            return max(1, self._allocator.num_engines + sum(not known(e) for e in set(joining)))
 
     def catch_up(self, catchup: Catchup) -> None:
         """Bring the limit model to the change log's newest version (`catchup`: read by the
@@ -120,7 +141,14 @@ class FleetCoordinator:
                 if num_streams and user not in self._tracked:
                     self._tracked.add(user)
                     self._allocator.set_limit(user, self._limit_of(user))
-            self._allocator.set_demand(engine_id, demand.streams, full=demand.full)
+            self._allocator.set_demand(
+                engine_id,
+                demand.streams,
+                full=demand.full,
+                over_capacity=demand.over_capacity,
+                stalled=demand.stalled,
+                evidenced=demand.evidenced,
+            )
             if demand.full:
                 self._awaited.discard(engine_id)
             if self.quiet:
@@ -130,6 +158,19 @@ class FleetCoordinator:
                 # After a snapshot or a gap the engine asks for everything it holds.
                 frames.append(self._frame(engine_id, self._allocator.full_update(engine_id)))
             return frames
+
+    def leave(self, engine_id: str) -> list[tuple[str, p.Shares]]:
+        """The engine stopped cleanly (it said Leaving): out of the fleet now. Its parts go
+        to the engines still serving each of its users and every engine's safe share
+        grows with the smaller fleet, in the frames returned (none while quiet: the
+        first step after it sends full tables)."""
+        with self._lock:
+            self._allocator.remove_engine(engine_id)
+            self._epoch_of.pop(engine_id, None)
+            self._awaited.discard(engine_id)
+            if self.quiet:
+                return []
+            return self._frames(self._allocator.step())
 
     def on_ack(self, engine_id: str, ack: p.ShareAck) -> bool:
         """False: an ack of another epoch (a membership this engine no longer has)."""
@@ -203,5 +244,9 @@ class FleetCoordinator:
             num_engines=max(1, update.num_engines),
             full=update.full,
             shares=update.shares,
+            outage=self._outage.mode,
+            outage_keep_ms=self._outage_keep_ms,
+            outage_fraction=self._outage.fraction,
+            serving=update.serving,
         )
         return engine_id, message

@@ -61,14 +61,14 @@ def create_key(
         raise RuntimeError("no free API key id")
     key_hash = keys.hash_key(key)
     created_at = datetime.now(UTC)
-    version = config.commit(
+    commit = config.commit(
         conn,
         state,
         [p.SetKey(id=key_id, user=user, hash=key_hash)],
         audit.Entry(actor, "create_key", user_target(user), None, _audit_record(key_id, user)),
     )
     repo.insert_key(conn, key_id=key_id, user=user, key_hash=key_hash, created_at=created_at)
-    return ConfigChange(KeyCreated(id=key_id, key=key, user=user, created_at=created_at), version)
+    return ConfigChange(KeyCreated(id=key_id, key=key, user=user, created_at=created_at), commit)
 
 
 @service("read")
@@ -94,7 +94,7 @@ def revoke_key(conn: Connection, *, actor: str, key_id: str) -> ConfigChange[Non
     row = repo.get_key(conn, key_id)
     if row is None:
         raise NotFound(f"id: API key {key_id!r} does not exist (or was revoked)", field="id")
-    version = config.commit(
+    commit = config.commit(
         conn,
         state,
         [p.DeleteKey(id=key_id)],
@@ -103,7 +103,7 @@ def revoke_key(conn: Connection, *, actor: str, key_id: str) -> ConfigChange[Non
         ),
     )
     repo.delete_key(conn, key_id)
-    return ConfigChange(None, version)
+    return ConfigChange(None, commit)
 
 
 @service("read")

@@ -1,13 +1,15 @@
 """POST /limits:bulk as CSV (Content-Type: text/csv): one user per line,
 
-    user,tier,output_tokens_per_second,scope,enforcement
+    user,tier,output_tokens_per_second,scope,enforcement,ceiling_output_tokens_per_second
 
 read with Python's csv module (quoted fields may hold commas and doubled quotes; spaces
 around a field are dropped). A quote left open runs to the end of the body, so that field
-is refused, on the line where the quote opened. An empty field is null: no tier, no
-override, inherit the scope or enforcement. Blank lines are skipped. The first non-blank
-line is a header, and skipped, when it names the columns in that order (any case; the
-first two or more of them: one name alone could be a user called "user"). Line numbers
+is refused, on the line where the quote opened. An empty field, or one left out at the
+end of a line, is null: no tier, no override, inherit the scope, enforcement or ceiling
+(so lines of the five columns before the ceiling was one still read alike). Blank lines
+are skipped. The first non-blank line is a header, and skipped, when it names the
+columns in that order (any case; the first two or more of them: one name alone could be
+a user called "user"). Line numbers
 are the operator's: 1-based, blank and header lines counted, a quoted line break counted
 where it is.
 
@@ -23,13 +25,22 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from control_plane.errors import LineProblem
+from control_plane.errors import LineProblem, rule_words
 from control_plane.limits.plans import UserItem
 from control_plane.limits.schemas import BulkItem
 
-COLUMNS = ("user", "tier", "output_tokens_per_second", "scope", "enforcement")
-# The console's name of the third column.
-_ALIASES = {"override": "output_tokens_per_second"}
+COLUMNS = (
+    "user",
+    "tier",
+    "output_tokens_per_second",
+    "scope",
+    "enforcement",
+    "ceiling_output_tokens_per_second",
+)
+# The columns that hold a whole number of tokens/s.
+_NUMBERS = {"output_tokens_per_second": "rate", "ceiling_output_tokens_per_second": "ceiling"}
+# The console's names of the third and the last column.
+_ALIASES = {"override": "output_tokens_per_second", "ceiling": "ceiling_output_tokens_per_second"}
 _WHOLE_NUMBER = re.compile(r"[0-9]+")
 
 
@@ -92,22 +103,22 @@ def _item(line: int, fields: list[str], problems: list[LineProblem]) -> UserItem
         name: (value or None) for name, value in zip(COLUMNS, fields, strict=False)
     }
     values["user"] = fields[0]
-    given = values.get("output_tokens_per_second")
     found: list[LineProblem] = []
-    if isinstance(given, str):
+    for column, what in _NUMBERS.items():
+        given = values.get(column)
+        if not isinstance(given, str):
+            continue
         if _WHOLE_NUMBER.fullmatch(given):
-            values["output_tokens_per_second"] = int(given)
+            values[column] = int(given)
         else:
-            found.append(
-                LineProblem(line, "output_tokens_per_second", f"{given!r} is not a whole number")
-            )
-            values.pop("output_tokens_per_second")
+            found.append(LineProblem(line, column, f"{what} {given!r} is not a whole number"))
+            values.pop(column)
     try:
         item = BulkItem.model_validate(values)
     except ValidationError as e:
         for error in e.errors():
             field = str(error["loc"][0]) if error["loc"] else "items"
-            found.append(LineProblem(line, field, error["msg"]))
+            found.append(LineProblem(line, field, rule_words(error)))
     if found:
         problems.extend(found)
         return None

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection
 
+from control_plane.audit import service as audit
 from control_plane.audit.targets import (
     DEFAULT_TARGET,
     AuditTarget,
@@ -33,7 +34,14 @@ from control_plane.config.repository import State, UserRecord
 from control_plane.errors import Conflict, InvalidInput, InvalidLines, LineProblem, NotFound
 from control_plane.limits import repository as repo
 from control_plane.limits.repository import TierRow
-from control_plane.limits.schemas import MAX_BULK_ITEMS, BulkOut, DefaultOut, LimitOut, TierOut
+from control_plane.limits.schemas import (
+    CEILING,
+    MAX_BULK_ITEMS,
+    BulkOut,
+    DefaultOut,
+    LimitOut,
+    TierOut,
+)
 from control_plane.limits.views import default_view, limit_view, tier_view
 from output_rate_core import protocol as p
 from output_rate_core.limits import UNCONFIGURED, LimitModel
@@ -63,6 +71,12 @@ class Plan(Generic[T]):
     # tier -> the description its SetTier writes (a tier's description is no limit: no op
     # carries it)
     descriptions: Mapping[str, str] = field(default_factory=dict)
+    # The version of the record the write replaces, which a versioned write's If-Match
+    # must name (its ETag), and the record's version once the write is committed. None:
+    # there is no such record (a tier that does not exist, or no longer does; a bulk
+    # write, which is not versioned). A user always has one: NO_RECORD without a record.
+    version_before: int | None = None
+    version_after: int | None = None
 
 
 def _applied(before: LimitModel, ops: list[p.Op]) -> LimitModel:
@@ -75,6 +89,24 @@ def _applied(before: LimitModel, ops: list[p.Op]) -> LimitModel:
 def _next_version(state: State, ops: list[p.Op]) -> int:
     """The version a write of `ops` leaves (a commit takes the next one)."""
     return state.version + 1 if ops else state.version
+
+
+# The version of a user without a record, as its ETag names it: versions start at 1, so
+# If-Match: "0" holds only while nobody has configured the user (docs/control-plane.md,
+# "Versioned writes").
+NO_RECORD = 0
+
+
+def user_version(record: UserRecord | None) -> int:
+    """The version a user's ETag names: its record's last change, NO_RECORD without one."""
+    return NO_RECORD if record is None else record.version
+
+
+def default_version(conn: Connection) -> int:
+    """The version of the default limit's last change (NO_RECORD: never set): the config
+    row keeps only the newest version of all, its audit entries keep the default's."""
+    version = audit.last_version(conn, DEFAULT_TARGET)
+    return NO_RECORD if version is None else version
 
 
 # ---- records as the audit log and merge patches see them --------------------------
@@ -96,6 +128,7 @@ def _policy_values(policy: Policy) -> dict[str, Any]:
         "output_tokens_per_second": policy.rate,
         "scope": policy.scope,
         "enforcement": policy.enforcement,
+        CEILING: policy.ceiling,
     }
 
 
@@ -117,7 +150,30 @@ def _tier_values(tier: TierRow | None) -> dict[str, Any] | None:
 def _merged_policy(current: Policy, changes: Mapping[str, Any]) -> Policy:
     """`current` with the fields a merge patch sends (by their body names) replaced."""
     merged = {**_policy_values(current), **changes}
-    return Policy(merged["output_tokens_per_second"], merged["scope"], merged["enforcement"])
+    return Policy(
+        merged["output_tokens_per_second"], merged["scope"], merged["enforcement"], merged[CEILING]
+    )
+
+
+def ceiling_problem(ceiling: int | None, rate: int | None) -> str | None:
+    """Why a level's own `ceiling` may not go with `rate`, the effective rate the write
+    leaves that level (a user's resolved rate; a tier's or the default's own rate), or
+    None: it may. Only a ceiling that is set is checked, at the level that sets it: a
+    ceiling inherited, or one that a later change of a rate elsewhere leaves at or below
+    the user's rate, borrows nothing (output_rate_core.limits.LimitModel.resolve)."""
+    if ceiling is None:
+        return None
+    if rate is None:
+        return f"{ceiling} is set where the effective rate is unlimited (a ceiling needs a rate)"
+    if ceiling < rate:
+        return f"{ceiling} is below the effective rate {rate} (a ceiling is at least the rate)"
+    return None
+
+
+def _check_ceiling(ceiling: int | None, rate: int | None) -> None:
+    problem = ceiling_problem(ceiling, rate)
+    if problem is not None:
+        raise InvalidInput(f"{CEILING}: {problem}", field=CEILING)
 
 
 # ---- one user -----------------------------------------------------------------------
@@ -152,6 +208,8 @@ def _set_user(
     """`user`'s record `old` becomes `new` (None: none); the answer is the user's view."""
     before = _user_model(conn, state, user, old, new)
     _known_tier(before, new.tier if new else None)
+    if new is not None:
+        _check_ceiling(new.policy.ceiling, before.resolve(new.tier, new.policy).rate)
     ops = _user_ops(user, old, new)
     after = _applied(before, ops)
     version = _next_version(state, ops)
@@ -167,6 +225,8 @@ def _set_user(
         _record_values(old),
         _record_values(new),
         named=(user,),
+        version_before=user_version(old),
+        version_after=user_version(record),
     )
 
 
@@ -179,10 +239,11 @@ def put_limit(
     tier: str | None,
     scope: Scope | None = None,
     enforcement: Enforcement | None = None,
+    ceiling: int | None = None,
 ) -> Plan[LimitOut]:
     """Replace the user's record (an absent field is null)."""
     old = config.user_records(conn, [user]).get(user)
-    new = UserItem(user, tier, Policy(rate, scope, enforcement))
+    new = UserItem(user, tier, Policy(rate, scope, enforcement, ceiling))
     return _set_user(conn, state, user, old, new)
 
 
@@ -190,8 +251,8 @@ def patch_limit(
     conn: Connection, state: State, *, user: str, changes: Mapping[str, Any]
 ) -> Plan[LimitOut]:
     """JSON merge patch of a user's record: only the keys in `changes`
-    ("output_tokens_per_second", "tier", "scope", "enforcement") change; the others keep
-    their value."""
+    ("output_tokens_per_second", "tier", "scope", "enforcement",
+    "ceiling_output_tokens_per_second") change; the others keep their value."""
     old = config.user_records(conn, [user]).get(user)
     tier, own = (old.tier, old.policy) if old else UNCONFIGURED
     new = UserItem(user, changes.get("tier", tier), _merged_policy(own, changes))
@@ -215,6 +276,8 @@ def delete_limit(conn: Connection, state: State, *, user: str) -> Plan[None]:
         _record_values(old),
         None,
         named=(user,),
+        version_before=user_version(old),
+        version_after=NO_RECORD,
     )
 
 
@@ -231,8 +294,9 @@ class BulkInput:
     problems: Sequence[LineProblem] = ()
 
 
-def check_bulk(bulk: BulkInput, known_tiers: Container[str]) -> None:
-    """Refuse a bulk write over MAX_BULK_ITEMS, naming a user twice or an unknown tier:
+def check_bulk(bulk: BulkInput, known_tiers: Container[str], model: LimitModel) -> None:
+    """Refuse a bulk write over MAX_BULK_ITEMS, naming a user twice, an unknown tier or a
+    ceiling below the rate its record resolves to by `model` (the default and the tiers):
     a JSON body by its first bad item (`items.3.tier`), a CSV body by all its bad lines."""
     items, lines = bulk.items, bulk.lines
     if len(items) > MAX_BULK_ITEMS:
@@ -252,6 +316,11 @@ def check_bulk(bulk: BulkInput, known_tiers: Container[str]) -> None:
     for index, item in enumerate(items):
         if item.tier is not None and item.tier not in known_tiers:
             problems.append((index, "tier", f"unknown tier {item.tier!r}"))
+        elif item.policy.ceiling is not None:
+            rate = model.resolve(item.tier, item.policy).rate
+            problem = ceiling_problem(item.policy.ceiling, rate)
+            if problem is not None:
+                problems.append((index, CEILING, problem))
     if lines is None:
         if problems:
             index, field, reason = problems[0]
@@ -273,7 +342,7 @@ def bulk_put_limits(
     """Up to MAX_BULK_ITEMS users' records replaced as one version (`lines` and
     `problems`: see BulkInput); items equal to the stored record are left out."""
     tiers = config.tier_policies(conn)
-    check_bulk(BulkInput(items, lines, problems), tiers)
+    check_bulk(BulkInput(items, lines, problems), tiers, LimitModel(state.default, tiers))
     users = [item.user for item in items]
     old = config.user_records(conn, users)
     before = LimitModel(state.default, tiers, {u: (r.tier, r.policy) for u, r in old.items()})
@@ -305,6 +374,7 @@ def _set_tier(
     state: State, name: str, tier: TierRow | None, policy: Policy, description: str
 ) -> Plan[TierOut]:
     """Tier `name` (now `tier`, None: none) gets `policy` and `description`."""
+    _check_ceiling(policy.ceiling, policy.rate)
     before = _tier_model(state, tier)
     num_users = tier.num_users if tier else 0
     ops: list[p.Op] = [p.SetTier.of(name, policy)]
@@ -321,6 +391,8 @@ def _set_tier(
         _tier_values(tier),
         _tier_values(new_tier),
         descriptions={name: description},
+        version_before=tier.version if tier else None,
+        version_after=new_tier.version,
     )
 
 
@@ -333,20 +405,22 @@ def put_tier(
     description: str | None,
     scope: Scope | None = None,
     enforcement: Enforcement | None = None,
+    ceiling: int | None = None,
 ) -> Plan[TierOut]:
-    """Set a tier's rate, scope and enforcement (None: inherit the default's); a
-    description of None keeps the one it had."""
+    """Set a tier's rate, scope, enforcement and ceiling (None: inherit the default's);
+    a description of None keeps the one it had."""
     tier = repo.get_tier(conn, name)
     if description is None:
         description = tier.description if tier else ""
-    return _set_tier(state, name, tier, Policy(rate, scope, enforcement), description)
+    return _set_tier(state, name, tier, Policy(rate, scope, enforcement, ceiling), description)
 
 
 def patch_tier(
     conn: Connection, state: State, *, name: str, changes: Mapping[str, Any]
 ) -> Plan[TierOut]:
     """JSON merge patch of an existing tier: only the keys in `changes`
-    ("output_tokens_per_second", "scope", "enforcement", "description") change; a
+    ("output_tokens_per_second", "scope", "enforcement", "ceiling_output_tokens_per_second",
+    "description") change; a
     description of null is empty. An unknown tier is 404: a patch never creates one (its
     rate would be a guess)."""
     tier = existing_tier(conn, name)
@@ -371,7 +445,14 @@ def delete_tier(conn: Connection, state: State, *, name: str) -> Plan[None]:
     before = _tier_model(state, tier)
     ops: list[p.Op] = [p.DeleteTier(name=name)]
     return Plan(
-        ops, before, _applied(before, ops), None, tier_target(name), _tier_values(tier), None
+        ops,
+        before,
+        _applied(before, ops),
+        None,
+        tier_target(name),
+        _tier_values(tier),
+        None,
+        version_before=tier.version,
     )
 
 
@@ -385,11 +466,15 @@ def put_default(
     rate: int | None,
     scope: Scope | None = None,
     enforcement: Enforcement | None = None,
+    ceiling: int | None = None,
 ) -> Plan[DefaultOut]:
-    """Replace the default rate, scope (None: "fleet") and enforcement (None: "enforce")."""
-    policy = Policy(rate, scope, enforcement)
+    """Replace the default rate, scope (None: "fleet"), enforcement (None: "enforce") and
+    ceiling (None: no borrowing)."""
+    policy = Policy(rate, scope, enforcement, ceiling)
+    _check_ceiling(policy.ceiling, policy.rate)
     before = LimitModel(state.default, config.tier_policies(conn))
     ops: list[p.Op] = [] if policy == state.default else [p.SetDefault.of(policy)]
+    version = default_version(conn)
     return Plan(
         ops,
         before,
@@ -398,4 +483,6 @@ def put_default(
         DEFAULT_TARGET,
         _policy_values(state.default),
         _policy_values(policy),
+        version_before=version,
+        version_after=_next_version(state, ops) if ops else version,
     )

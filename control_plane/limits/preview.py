@@ -60,6 +60,7 @@ def _state(record: UserPolicy | None, resolved: Effective) -> dict[str, Any] | N
         "effective_output_tokens_per_second": resolved.rate,
         "effective_scope": resolved.scope,
         "effective_enforcement": resolved.enforcement,
+        "effective_ceiling_output_tokens_per_second": resolved.ceiling,
     }
 
 

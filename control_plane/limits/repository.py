@@ -24,6 +24,7 @@ from control_plane.config.repository import (
     state_of,
     user_record,
 )
+from control_plane.db import unicode_lower
 from control_plane.models import Tier, UserLimit, table
 from output_rate_core.policy import Policy
 
@@ -50,6 +51,7 @@ _GET_LIMIT = (
         tiers.c.rate,
         tiers.c.scope,
         tiers.c.enforcement,
+        tiers.c.ceiling,
     )
     .select_from(
         config_state.outerjoin(user_limits, user_limits.c.user == bindparam("user")).outerjoin(
@@ -89,6 +91,7 @@ _TIER_COLUMNS = (
     tiers.c.rate,
     tiers.c.scope,
     tiers.c.enforcement,
+    tiers.c.ceiling,
     tiers.c.description,
     tiers.c.version,
     tiers.c.num_users,
@@ -96,8 +99,9 @@ _TIER_COLUMNS = (
 
 
 def _tier_row(row: Any) -> TierRow:
-    name, rate, scope, enforcement, description, version, num_users = row
-    return TierRow(name, Policy(rate, scope, enforcement), description, version, num_users)
+    name, rate, scope, enforcement, ceiling, description, version, num_users = row
+    policy = Policy(rate, scope, enforcement, ceiling)
+    return TierRow(name, policy, description, version, num_users)
 
 
 _GET_TIER = select(*_TIER_COLUMNS).where(tiers.c.name == bindparam("name"))
@@ -155,8 +159,11 @@ def _filter(
     query: Any, *, tier: str | None, prefix: str | None, contains: str | None = None
 ) -> Any:
     if contains:
-        # Case-insensitive substring: a scan, fine for the thousands of users one browses.
-        query = query.where(user_limits.c.user.icontains(contains, autoescape=True))
+        # Case-insensitive substring (any letter, "MÜLLER" finds "müller", on both
+        # databases): a scan, fine for the thousands of users one browses.
+        query = query.where(
+            unicode_lower(user_limits.c.user).contains(contains.lower(), autoescape=True)
+        )
     if tier is not None:
         query = query.where(user_limits.c.tier == tier)
     if prefix:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -33,7 +33,15 @@ from control_plane.limits.schemas import (
     TierOut,
     TierPatch,
 )
-from control_plane.schemas import CONFLICT, ERRORS, NOT_FOUND, UserPath, merge_patch_body
+from control_plane.preconditions import ETAG, IF_MATCH, IfMatch, etag, parse_if_match
+from control_plane.schemas import (
+    CONFLICT,
+    ERRORS,
+    NOT_FOUND,
+    PRECONDITION_FAILED,
+    UserPath,
+    merge_patch_body,
+)
 from output_rate_core.ids import MAX_USER_ID_LEN, TIER_NAME_PATTERN, USER_ID_PATTERN
 
 router = APIRouter(responses=ERRORS)
@@ -74,6 +82,42 @@ class DryRun:
 
 DryRunDep = Annotated[DryRun, Depends()]
 
+
+def _if_match(
+    value: Annotated[
+        str | None,
+        Header(
+            alias=IF_MATCH,
+            description='The ETag the record had when read (e.g. "57"), or *: the write '
+            "(or its preview) is refused with 412, and nothing written, unless the record "
+            "is still at that version",
+        ),
+    ] = None,
+) -> IfMatch | None:
+    return parse_if_match(value)
+
+
+IfMatchDep = Annotated[IfMatch | None, Depends(_if_match)]
+
+# OpenAPI of a GET that answers a record's ETag.
+ETAG_200: dict[int | str, dict[str, Any]] = {
+    200: {
+        "headers": {
+            ETAG: {
+                "description": 'The record\'s version, quoted ("57"): send it as If-Match '
+                "with a write of the record",
+                "schema": {"type": "string"},
+            }
+        }
+    }
+}
+
+
+def _with_etag(response: Response, version: int | None) -> None:
+    if version is not None:
+        response.headers[ETAG] = etag(version)
+
+
 # OpenAPI of a write that answers 204 (DELETE): the preview's 200.
 PREVIEW_200: dict[int | str, dict[str, Any]] = {
     200: {"model": ChangePreview, "description": "dry_run=true: what the write would change"}
@@ -106,10 +150,12 @@ BULK_BODY: dict[str, Any] = {
             CSV: {
                 "schema": {
                     "description": "Lines of user,tier,output_tokens_per_second,scope,"
-                    "enforcement (an optional header line; quoted fields allowed)"
+                    "enforcement,ceiling_output_tokens_per_second (an optional header "
+                    "line; quoted fields allowed; trailing fields may be left out)"
                 },
-                "example": "user,tier,output_tokens_per_second,scope,enforcement\n"
-                'alice,pro,,,\n"bob",,50,engine,shadow\n',
+                "example": "user,tier,output_tokens_per_second,scope,enforcement,"
+                "ceiling_output_tokens_per_second\n"
+                'alice,pro,,,,\n"bob",,50,engine,shadow,80\n',
             },
         },
     }
@@ -198,20 +244,31 @@ async def bulk_put_limits(
     return change.result
 
 
-@router.get("/limits/{user}", response_model=LimitDetail)
+@router.get("/limits/{user}", response_model=LimitDetail, responses=ETAG_200)
 async def get_limit(
-    user: UserPath, db: DatabaseDep, fleet: FleetDep, usage: UsageSourceDep, _: ReaderDep
+    user: UserPath,
+    response: Response,
+    db: DatabaseDep,
+    fleet: FleetDep,
+    usage: UsageSourceDep,
+    _: ReaderDep,
 ) -> LimitDetail:
-    return await db.run(service.get_limit_detail, user=user, fleet=fleet, usage=usage)
+    detail = await db.run(service.get_limit_detail, user=user, fleet=fleet, usage=usage)
+    _with_etag(response, detail.version)
+    return detail.view
 
 
-@router.put("/limits/{user}", response_model=LimitOut | ChangePreview)
+@router.put(
+    "/limits/{user}", response_model=LimitOut | ChangePreview, responses=PRECONDITION_FAILED
+)
 async def put_limit(
     user: UserPath,
     body: LimitIn,
+    response: Response,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> LimitOut | Response:
     kw: dict[str, Any] = {
         "user": user,
@@ -219,43 +276,59 @@ async def put_limit(
         "tier": body.tier,
         "scope": body.scope,
         "enforcement": body.enforcement,
+        "ceiling": body.ceiling_output_tokens_per_second,
+        "if_match": if_match,
     }
     if dry_run.wanted:
         return await dry_run.preview(service.put_limit.preview, **kw)
     change = await db.run(service.put_limit, actor=principal.name, **kw)
+    _with_etag(response, change.record_version)
     return change.result
 
 
 @router.patch(
     "/limits/{user}",
     response_model=LimitOut | ChangePreview,
+    responses=PRECONDITION_FAILED,
     openapi_extra=merge_patch_body(LimitPatch),
     summary="Change only the fields sent (JSON merge patch, RFC 7396)",
 )
 async def patch_limit(
     user: UserPath,
     body: LimitPatch,
+    response: Response,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> LimitOut | Response:
-    changes = body.model_dump(include=body.model_fields_set)
+    kw: dict[str, Any] = {
+        "user": user,
+        "changes": body.model_dump(include=body.model_fields_set),
+        "if_match": if_match,
+    }
     if dry_run.wanted:
-        return await dry_run.preview(service.patch_limit.preview, user=user, changes=changes)
-    change = await db.run(service.patch_limit, actor=principal.name, user=user, changes=changes)
+        return await dry_run.preview(service.patch_limit.preview, **kw)
+    change = await db.run(service.patch_limit, actor=principal.name, **kw)
+    _with_etag(response, change.record_version)
     return change.result
 
 
-@router.delete("/limits/{user}", status_code=status.HTTP_204_NO_CONTENT, responses=PREVIEW_200)
+@router.delete(
+    "/limits/{user}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={**PREVIEW_200, **PRECONDITION_FAILED},
+)
 async def delete_limit(
     user: UserPath,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> Response:
     if dry_run.wanted:
-        return await dry_run.preview(service.delete_limit.preview, user=user)
-    await db.run(service.delete_limit, actor=principal.name, user=user)
+        return await dry_run.preview(service.delete_limit.preview, user=user, if_match=if_match)
+    await db.run(service.delete_limit, actor=principal.name, user=user, if_match=if_match)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -264,88 +337,112 @@ async def list_tiers(db: DatabaseDep, _: ReaderDep) -> TierList:
     return await db.run(service.list_tiers)
 
 
-@router.get("/tiers/{name}", response_model=TierOut, responses=NOT_FOUND)
-async def get_tier(name: TierPath, db: DatabaseDep, _: ReaderDep) -> TierOut:
-    return await db.run(service.get_tier, name=name)
+@router.get("/tiers/{name}", response_model=TierOut, responses={**NOT_FOUND, **ETAG_200})
+async def get_tier(name: TierPath, response: Response, db: DatabaseDep, _: ReaderDep) -> TierOut:
+    tier = await db.run(service.get_tier, name=name)
+    _with_etag(response, tier.version)
+    return tier.view
 
 
-@router.put("/tiers/{name}", response_model=TierOut | ChangePreview)
+@router.put("/tiers/{name}", response_model=TierOut | ChangePreview, responses=PRECONDITION_FAILED)
 async def put_tier(
     name: TierPath,
     body: TierIn,
+    response: Response,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> TierOut | Response:
     kw: dict[str, Any] = {
         "name": name,
         "rate": body.output_tokens_per_second,
         "scope": body.scope,
         "enforcement": body.enforcement,
+        "ceiling": body.ceiling_output_tokens_per_second,
         "description": body.description,
+        "if_match": if_match,
     }
     if dry_run.wanted:
         return await dry_run.preview(service.put_tier.preview, **kw)
     change = await db.run(service.put_tier, actor=principal.name, **kw)
+    _with_etag(response, change.record_version)
     return change.result
 
 
 @router.patch(
     "/tiers/{name}",
     response_model=TierOut | ChangePreview,
-    responses=NOT_FOUND,
+    responses={**NOT_FOUND, **PRECONDITION_FAILED},
     openapi_extra=merge_patch_body(TierPatch),
     summary="Change only the fields sent (JSON merge patch, RFC 7396)",
 )
 async def patch_tier(
     name: TierPath,
     body: TierPatch,
+    response: Response,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> TierOut | Response:
-    changes = body.model_dump(include=body.model_fields_set)
+    kw: dict[str, Any] = {
+        "name": name,
+        "changes": body.model_dump(include=body.model_fields_set),
+        "if_match": if_match,
+    }
     if dry_run.wanted:
-        return await dry_run.preview(service.patch_tier.preview, name=name, changes=changes)
-    change = await db.run(service.patch_tier, actor=principal.name, name=name, changes=changes)
+        return await dry_run.preview(service.patch_tier.preview, **kw)
+    change = await db.run(service.patch_tier, actor=principal.name, **kw)
+    _with_etag(response, change.record_version)
     return change.result
 
 
 @router.delete(
     "/tiers/{name}",
     status_code=status.HTTP_204_NO_CONTENT,
-    responses={**NOT_FOUND, **CONFLICT, **PREVIEW_200},
+    responses={**NOT_FOUND, **CONFLICT, **PREVIEW_200, **PRECONDITION_FAILED},
 )
 async def delete_tier(
     name: TierPath,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> Response:
     if dry_run.wanted:
-        return await dry_run.preview(service.delete_tier.preview, name=name)
-    await db.run(service.delete_tier, actor=principal.name, name=name)
+        return await dry_run.preview(service.delete_tier.preview, name=name, if_match=if_match)
+    await db.run(service.delete_tier, actor=principal.name, name=name, if_match=if_match)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.get("/default-limit", response_model=DefaultOut)
-async def get_default(db: DatabaseDep, _: ReaderDep) -> DefaultOut:
-    return await db.run(service.get_default)
+@router.get("/default-limit", response_model=DefaultOut, responses=ETAG_200)
+async def get_default(response: Response, db: DatabaseDep, _: ReaderDep) -> DefaultOut:
+    default = await db.run(service.get_default)
+    _with_etag(response, default.version)
+    return default.view
 
 
-@router.put("/default-limit", response_model=DefaultOut | ChangePreview)
+@router.put(
+    "/default-limit", response_model=DefaultOut | ChangePreview, responses=PRECONDITION_FAILED
+)
 async def put_default(
     body: DefaultIn,
+    response: Response,
     db: DatabaseDep,
     principal: WriterDep,
     dry_run: DryRunDep,
+    if_match: IfMatchDep,
 ) -> DefaultOut | Response:
     kw: dict[str, Any] = {
         "rate": body.output_tokens_per_second,
         "scope": body.scope,
         "enforcement": body.enforcement,
+        "ceiling": body.ceiling_output_tokens_per_second,
+        "if_match": if_match,
     }
     if dry_run.wanted:
         return await dry_run.preview(service.put_default.preview, **kw)
     change = await db.run(service.put_default, actor=principal.name, **kw)
+    _with_etag(response, change.record_version)
     return change.result

@@ -1,6 +1,8 @@
 """Limit, tier and default-limit bodies. Strict: a rate is a JSON integer 1..1,000,000
 or null; a scope is "fleet", "engine" or null (inherit); an enforcement is "enforce",
-"shadow" or null (inherit)."""
+"shadow" or null (inherit); a ceiling is a JSON integer 1..1,000,000 or null (inherit;
+the default's: no borrowing). That a ceiling is not below the rate is the plans' check
+(control_plane/limits/plans.py): it needs the rate the write resolves to."""
 
 from __future__ import annotations
 
@@ -41,17 +43,34 @@ OwnEnforcement = Annotated[
     ),
 ]
 
+CEILING = "ceiling_output_tokens_per_second"
+OwnCeiling = Annotated[
+    Rate | None,
+    Field(
+        description="Output tokens/s the user may reach by borrowing capacity no other "
+        "user needs: at least the effective rate (below it: 422); equal to it, or at or "
+        "below a rate set later, borrows nothing; null: inherit (the tier's, else the "
+        "default's)"
+    ),
+]
+
 
 class LimitIn(Body):
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
     scope: OwnScope = None
     enforcement: OwnEnforcement = None
+    ceiling_output_tokens_per_second: OwnCeiling = None
 
     @property
     def policy(self) -> Policy:
         """The user's own policy, as the body gives it."""
-        return Policy(self.output_tokens_per_second, self.scope, self.enforcement)
+        return Policy(
+            self.output_tokens_per_second,
+            self.scope,
+            self.enforcement,
+            self.ceiling_output_tokens_per_second,
+        )
 
 
 class BulkItem(LimitIn):
@@ -67,34 +86,44 @@ class TierIn(Body):
     description: Description | None = None
     scope: OwnScope = None
     enforcement: OwnEnforcement = None
+    ceiling_output_tokens_per_second: OwnCeiling = None
 
 
 class LimitPatch(Body):
     """JSON merge patch (RFC 7396) of a user's record: only the fields sent change;
     null clears the field (no override = the tier's or default rate; no tier; inherit the
-    scope or enforcement)."""
+    scope, enforcement or ceiling)."""
 
     output_tokens_per_second: Rate | None = None
     tier: TierName | None = None
     scope: OwnScope = None
     enforcement: OwnEnforcement = None
+    ceiling_output_tokens_per_second: OwnCeiling = None
 
 
 class TierPatch(Body):
     """JSON merge patch of a tier: only the fields sent change; a rate of null is
-    unlimited, a description of null is empty, a scope or enforcement of null inherits the
-    default's."""
+    unlimited, a description of null is empty, a scope, enforcement or ceiling of null
+    inherits the default's."""
 
     output_tokens_per_second: Rate | None = None
     description: Description | None = None
     scope: OwnScope = None
     enforcement: OwnEnforcement = None
+    ceiling_output_tokens_per_second: OwnCeiling = None
 
 
 class DefaultIn(Body):
     output_tokens_per_second: Rate | None = None
     scope: Annotated[Scope | None, Field(description='null: "fleet"')] = None
     enforcement: Annotated[Enforcement | None, Field(description='null: "enforce"')] = None
+    ceiling_output_tokens_per_second: Annotated[
+        Rate | None,
+        Field(
+            description="Output tokens/s users may borrow up to, at least the default rate; "
+            "null: no borrowing"
+        ),
+    ] = None
 
 
 class ShareOut(BaseModel):
@@ -116,6 +145,13 @@ class LimitOut(BaseModel):
         description='"shadow": the limit is counted, not enforced'
     )
     effective_scope: Scope
+    ceiling_output_tokens_per_second: int | None = Field(
+        description="The user's own ceiling, or null (inherited)"
+    )
+    effective_ceiling_output_tokens_per_second: int | None = Field(
+        description="Output tokens/s the user may reach by borrowing capacity no other user "
+        "needs; null: none (the effective rate is a hard limit)"
+    )
     shares: list[ShareOut] = Field(
         default=[],
         description="A fleet-scoped limit's shares per engine, by engine id; filled by "
@@ -150,6 +186,9 @@ class TierOut(BaseModel):
     enforcement: Enforcement | None = Field(
         description="The tier's own enforcement, or null (the default's)"
     )
+    ceiling_output_tokens_per_second: int | None = Field(
+        description="The tier's own ceiling, or null (the default's)"
+    )
     description: str
     num_users: int
     version: int
@@ -163,6 +202,7 @@ class DefaultOut(BaseModel):
     output_tokens_per_second: int | None
     scope: Scope | None = Field(description='null: "fleet"')
     enforcement: Enforcement | None = Field(description='null: "enforce"')
+    ceiling_output_tokens_per_second: int | None = Field(description="null: no borrowing")
     version: int
 
 
@@ -182,6 +222,7 @@ class ItemState(BaseModel):
     effective_output_tokens_per_second: int | None = Field(description="null: unlimited")
     effective_scope: Scope
     effective_enforcement: Enforcement
+    effective_ceiling_output_tokens_per_second: int | None = Field(description="null: no borrowing")
 
 
 class LastHour(BaseModel):

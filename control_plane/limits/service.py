@@ -5,6 +5,11 @@ transaction as the tables written from the ops, its audit entry and its change-l
 a write that changes nothing writes nothing. It returns a `ConfigChange`: its answer and
 the version it made. Its `preview` (?dry_run=true) diffs the same plan instead.
 
+Versioned writes: a write of a user, a tier or the default may carry the If-Match its
+client read as the record's ETag (`Versioned.version`); it is checked against the plan's
+`version_before`, after the writers' lock and the plan's own checks, so no other writer
+can slip in between, and a write whose condition fails writes nothing (412).
+
 Each function takes the Connection of one transaction (control_plane.db.Database runs
 it where its `@service` policy says); the caller commits."""
 
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from sqlalchemy import Connection
 
@@ -36,6 +41,7 @@ from control_plane.limits.schemas import (
     TierOut,
 )
 from control_plane.limits.views import default_view, limit_view, shares_view, tier_view
+from control_plane.preconditions import IfMatch, PreconditionFailed, etag
 from output_rate_core.limits import LimitModel
 
 T = TypeVar("T")
@@ -52,29 +58,43 @@ class UserCounts:
     num_users_per_tier: dict[str, int]
 
 
+class Versioned(NamedTuple, Generic[T]):
+    """A record's view and the version its ETag names (what a write's If-Match must say)."""
+
+    view: T
+    version: int
+
+
 # ---- reads -----------------------------------------------------------------
+
+
+def _limit(conn: Connection, user: str) -> Versioned[LimitOut]:
+    row = repo.get_limit_row(conn, user)
+    tier = row.record.tier if row.record else None
+    tiers = {tier: row.tier} if tier is not None and row.tier is not None else {}
+    model = LimitModel(row.state.default, tiers)
+    view = limit_view(user, row.record, model, row.state.version)
+    return Versioned(view, plans.user_version(row.record))
 
 
 @service("read")
 def get_limit(conn: Connection, *, user: str) -> LimitOut:
-    row = repo.get_limit_row(conn, user)
-    tier = row.record.tier if row.record else None
-    tiers = {tier: row.tier} if tier is not None and row.tier is not None else {}
-    return limit_view(user, row.record, LimitModel(row.state.default, tiers), row.state.version)
+    return _limit(conn, user).view
 
 
 @service("read")
 def get_limit_detail(
     conn: Connection, *, user: str, fleet: FleetView, usage: UsageSource
-) -> LimitDetail:
+) -> Versioned[LimitDetail]:
     """The user's view with the shares engines hold and the rate they report now."""
-    view = get_limit(conn, user=user)
+    view, version = _limit(conn, user)
     received = usage.rate_1s(user)
-    return LimitDetail(
+    detail = LimitDetail(
         **view.model_dump(exclude={"shares"}),
         shares=shares_view(view, fleet),
         received_output_tokens_per_second=received,
     )
+    return Versioned(detail, version)
 
 
 @service("scan")
@@ -135,24 +155,48 @@ def list_tiers(conn: Connection) -> TierList:
 
 
 @service("read")
-def get_tier(conn: Connection, *, name: str) -> TierOut:
-    return tier_view(plans.existing_tier(conn, name))
+def get_tier(conn: Connection, *, name: str) -> Versioned[TierOut]:
+    tier = plans.existing_tier(conn, name)
+    return Versioned(tier_view(tier), tier.version)
 
 
 @service("read")
-def get_default(conn: Connection) -> DefaultOut:
+def get_default(conn: Connection) -> Versioned[DefaultOut]:
+    """The default and the version of its last change (the `version` field is the
+    config's now: once engines applied it, the default shown is enforced)."""
     state = config.state(conn)
-    return default_view(state.default, state.version)
+    return Versioned(default_view(state.default, state.version), plans.default_version(conn))
 
 
 # ---- writes ----------------------------------------------------------------
 
 
+def check_precondition(if_match: IfMatch | None, plan: Plan[Any]) -> None:
+    """Refuse (412) a versioned write whose If-Match does not name the version of the
+    record it replaces; None: an unconditional write."""
+    if if_match is None or if_match.matches(plan.version_before):
+        return
+    current = plan.version_before
+    kind, name = plan.target.kind, plan.target.id
+    what = "the default limit" if kind == "default" else f"{kind} {name!r}"
+    if current is None:
+        message = f"If-Match: {if_match}: {what} does not exist; nothing was written"
+    else:
+        message = (
+            f"If-Match: {if_match} is not the version of {what}, which is now "
+            f"{etag(current)} (it changed since it was read); nothing was written"
+        )
+    raise PreconditionFailed(message, current_version=current)
+
+
 class LimitWrite(Service[..., ConfigChange[T]], Generic[T]):
     """One limit write, made of its plan: `plan(conn, state, **request)` says what the
     write would do, or raises its errors. Run where `write` says, it takes the writers'
-    lock, plans, and commits the plan's ops as the audit action `action`; its `preview`,
-    run where `preview` says, plans at the version it reads and answers the diff."""
+    lock, plans, checks the request's If-Match (`if_match`, check_precondition) and
+    commits the plan's ops as the audit action `action`; its `preview`, run where
+    `preview` says, plans at the version it reads, checks alike and answers the diff.
+    A request that would fail anyway (404, 409, 422) fails so, whatever its If-Match
+    (RFC 9110 section 13.2.1)."""
 
     def __init__(
         self,
@@ -167,20 +211,33 @@ class LimitWrite(Service[..., ConfigChange[T]], Generic[T]):
         self.action = action
         self.preview: Service[..., Preview] = Service(self._preview, preview)
 
-    def _commit(self, conn: Connection, /, *, actor: str, **request: Any) -> ConfigChange[T]:
+    def _commit(
+        self, conn: Connection, /, *, actor: str, if_match: IfMatch | None = None, **request: Any
+    ) -> ConfigChange[T]:
         state = config.lock(conn)
         plan = self.plan(conn, state, **request)
+        check_precondition(if_match, plan)
         if not plan.ops:
-            return ConfigChange(plan.answer, None)
+            return ConfigChange(plan.answer, None, plan.version_after)
         entry = audit.Entry(actor, self.action, plan.target, plan.was, plan.becomes)
-        version = config.commit(
+        commit = config.commit(
             conn, state, plan.ops, entry, model=plan.before, descriptions=plan.descriptions
         )
-        return ConfigChange(plan.answer, version)
+        return ConfigChange(plan.answer, commit, plan.version_after)
 
-    def _preview(self, conn: Connection, /, *, items_limit: int, **request: Any) -> Preview:
+    def _preview(
+        self,
+        conn: Connection,
+        /,
+        *,
+        items_limit: int,
+        if_match: IfMatch | None = None,
+        **request: Any,
+    ) -> Preview:
         state = config.state(conn)
-        return diff(conn, state.version, self.plan(conn, state, **request), items_limit)
+        plan = self.plan(conn, state, **request)
+        check_precondition(if_match, plan)
+        return diff(conn, state.version, plan, items_limit)
 
 
 put_limit: LimitWrite[LimitOut] = LimitWrite(plans.put_limit, action="put_limit")

@@ -28,6 +28,8 @@ def limit_view(user: str, record: UserRecord | None, model: LimitModel, version:
         effective_scope=effective.scope,
         enforcement=own.enforcement,
         effective_enforcement=effective.enforcement,
+        ceiling_output_tokens_per_second=own.ceiling,
+        effective_ceiling_output_tokens_per_second=effective.ceiling,
         # The version of the user's last change (the current one for users
         # nobody configured): once engines applied it, this view is enforced.
         version=record.version if record else version,
@@ -49,6 +51,7 @@ def tier_view(tier: TierRow) -> TierOut:
         output_tokens_per_second=tier.policy.rate,
         scope=tier.policy.scope,
         enforcement=tier.policy.enforcement,
+        ceiling_output_tokens_per_second=tier.policy.ceiling,
         description=tier.description,
         num_users=tier.num_users,
         version=tier.version,
@@ -60,5 +63,6 @@ def default_view(default: Policy, version: int) -> DefaultOut:
         output_tokens_per_second=default.rate,
         scope=default.scope,
         enforcement=default.enforcement,
+        ceiling_output_tokens_per_second=default.ceiling,
         version=version,
     )

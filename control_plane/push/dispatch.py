@@ -16,9 +16,13 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from control_plane.push.claims import RefusedClaims
+from control_plane.push.demand import DemandBounds, engine_capacity
 from control_plane.push.drops import DropLog
+from control_plane.push.flagged import FlaggedDemands
 from control_plane.push.leadership import FleetLeadership
-from control_plane.push.peers import MAX_HELD_MESSAGES, Peer, PeerTable
+from control_plane.push.outbox import Outbox
+from control_plane.push.peers import MAX_HELD_MESSAGES, Peer, PeerTable, Refusal
 from control_plane.push.publisher import Publisher
 from control_plane.push.status import StatusWriter
 from control_plane.usage.book import UsageBook
@@ -43,18 +47,30 @@ class Dispatcher:
         leadership: FleetLeadership,
         status: StatusWriter,
         drops: DropLog,
+        outbox: Outbox,
+        claims: RefusedClaims,
+        flagged: FlaggedDemands,
         usage: UsageBook | None,
         key_uses: Callable[[Mapping[str, float]], None] | None,
+        welcome: Callable[[], bool] = lambda: True,
     ) -> None:
         """``usage``, ``key_uses``: where usage and key-use reports go (None: nobody
-        reads them; they are dropped)."""
+        reads them; they are dropped); ``welcome``: whether a connection may bind now
+        (False: it is turned away with a Goodbye, to another replica)."""
         self._peers = peers
         self._publisher = publisher
         self._leadership = leadership
         self._status = status
         self._drops = drops
+        self._outbox = outbox
+        self._claims = claims
+        self._flagged = flagged
         self._usage = usage
         self._key_uses = key_uses
+        self._welcome = welcome
+        # Demand frames refused (over the rate), and frames that flagged their engine.
+        self.num_demand_refused = 0
+        self.num_implausible_demands = 0
         # message type -> what it does from a bound connection (the server's own types
         # are missing: an engine does not send them)
         self._handlers: dict[type[p.Message], Handler] = {
@@ -66,10 +82,14 @@ class Dispatcher:
             p.KeyUse: self._on_key_use,
             p.Demand: self._on_fleet_frame,
             p.ShareAck: self._on_fleet_frame,
+            p.Leaving: self._on_leaving,
         }
 
-    def route(self, identity: bytes, message: p.Message, key: str | None) -> None:
-        """A message from the connection ``identity`` (``key``: its CURVE key)."""
+    def route(
+        self, identity: bytes, message: p.Message, key: str | None, address: str = ""
+    ) -> None:
+        """A message from the connection ``identity`` (``key``: its CURVE key; ``address``:
+        where it connects from, given for a connection not bound yet)."""
         handle = self._handlers.get(type(message))
         if handle is None:
             self._drops.note("server-only message from an engine")
@@ -77,7 +97,11 @@ class Dispatcher:
         now = time.monotonic()
         peer = self._peers.get(identity)
         if peer is None:
-            self._on_unbound(identity, message, key, now)
+            self._on_unbound(identity, message, key, now, address)
+        elif isinstance(message, p.Leaving):
+            # Its last frame: nothing is heard or touched of it after this.
+            if self._speaks_for(peer, message):
+                handle(identity, peer, message, now)
         elif self._speaks_for(peer, message):
             handle(identity, peer, message, now)
             peer.last_seen = now
@@ -111,7 +135,9 @@ class Dispatcher:
 
     # ---- binding ----------------------------------------------------------------------
 
-    def _on_unbound(self, identity: bytes, message: p.Message, key: str | None, now: float) -> None:
+    def _on_unbound(
+        self, identity: bytes, message: p.Message, key: str | None, now: float, address: str
+    ) -> None:
         pending = self._peers.pending(identity)
         if pending is not None:
             # The database decides its bind: this waits for the answer.
@@ -125,26 +151,80 @@ class Dispatcher:
         if not isinstance(message, BINDING) or not message.engine_id:
             self._drops.note("message from a connection that said no HELLO")
             return
+        if not self._welcome():
+            self._turn_away(identity)
+            return
         engine_id, role = message.engine_id, message.role
         model = message.model if isinstance(message, p.Hello | p.Heartbeat) else ""
-        if not self._peers.admit(engine_id, role, key, now):
+        capacity = message.capacity if isinstance(message, p.Hello) else 0
+        vllm_version = message.vllm_version if isinstance(message, p.Hello) else None
+        refusal = self._peers.admit(engine_id, role, key, now)
+        if refusal is not None:
+            self._refuse(identity, engine_id, role, address, refusal)
             return
         if self._status.claims:
-            self._peers.hold(identity, engine_id, role, model, key)
+            self._peers.hold(identity, engine_id, role, model, key, vllm_version, address, capacity)
             self._status.claim(engine_id, role, partial(self._claimed, identity))
             return
-        self._bound(identity, self._peers.bind(identity, engine_id, role, model, key, now), now)
+        peer = self._peers.bind(
+            identity, engine_id, role, model, key, now, vllm_version, address, capacity
+        )
+        self._bound(identity, peer, now)
 
-    def _claimed(self, identity: bytes, claimed: bool) -> None:
+    def _claimed(self, identity: bytes, claimed: bool | None) -> None:
         pending = self._peers.settle(identity)
+        if claimed is None or not self._welcome():
+            self._turn_away(identity)  # the database did not answer: another replica may
+            return
         if claimed:
             now = time.monotonic()
             peer = self._peers.bind(
-                identity, pending.engine_id, pending.role, pending.model, pending.key, now
+                identity,
+                pending.engine_id,
+                pending.role,
+                pending.model,
+                pending.key,
+                now,
+                pending.vllm_version,
+                pending.address,
+                pending.capacity,
             )
             self._bound(identity, peer, now)
+        else:
+            elsewhere = Refusal(
+                p.Refused(
+                    "engine_id_in_use",
+                    "a live engine on another control-plane replica holds it; give each "
+                    "engine a unique --output-rate-engine-id",
+                ),
+                held_for="on another replica",
+            )
+            self._refuse(identity, pending.engine_id, pending.role, pending.address, elsewhere)
+            return  # what it sent meanwhile is no one's
         for message in pending.held:
-            self.route(identity, message, pending.key)
+            self.route(identity, message, pending.key, pending.address)
+
+    def _turn_away(self, identity: bytes) -> None:
+        """This replica cannot bind now (cut off from its database): a Goodbye sends the
+        engine to the next replica at once."""
+        self._drops.note("engine turned away: the database does not answer")
+        self._outbox.send(identity, p.encode(p.Goodbye()))
+
+    def _refuse(
+        self, identity: bytes, engine_id: str, role: p.Role, address: str, refusal: Refusal
+    ) -> None:
+        """Tell the connection why (it logs and counts it, and tries again with its next
+        heartbeat); a clash of ids is logged here with both peers and shown in GET
+        /engines."""
+        if refusal.refused.reason == "engine_id_in_use":
+            self._claims.note(
+                engine_id,
+                role,
+                claimant=address,
+                holder=refusal.holder_address,
+                held_for=refusal.held_for,
+            )
+        self._outbox.send(identity, p.encode(refusal.refused))
 
     def _bound(self, identity: bytes, peer: Peer, now: float) -> None:
         if peer.proven:
@@ -159,6 +239,7 @@ class Dispatcher:
         # that missed it asks again later.
         if message.model:
             peer.model = message.model
+        peer.vllm_version = message.vllm_version
         self._publisher.ask_snapshot(identity, peer, now)
 
     def _on_resync(self, identity: bytes, peer: Peer, message: p.Resync, now: float) -> None:
@@ -174,6 +255,10 @@ class Dispatcher:
     def _on_usage(self, identity: bytes, peer: Peer, message: p.Usage, now: float) -> None:
         if self._usage is not None:
             self._usage.add(message, engine_id=peer.engine_id)
+        if peer.demand is not None:  # a fleet engine: which claims its usage bears out
+            evidenced = peer.demand.usage(peer.engine_id, message, time.monotonic())
+            if evidenced is not None:
+                self._leadership.on_frame(peer, evidenced)
 
     def _on_key_use(self, identity: bytes, peer: Peer, message: p.KeyUse, now: float) -> None:
         if self._key_uses is not None:
@@ -182,4 +267,46 @@ class Dispatcher:
     def _on_fleet_frame(
         self, identity: bytes, peer: Peer, message: p.Demand | p.ShareAck, now: float
     ) -> None:
+        if isinstance(message, p.Demand):
+            message = self._bound_demand(peer, message)
         self._leadership.on_frame(peer, message)
+
+    def demand_fits(self, identity: bytes, size: int) -> bool:
+        """Whether a Demand frame of ``size`` bytes from this connection is within its
+        rates (asked before the frame is decoded; one that is not is refused and counted
+        here)."""
+        peer = self._peers.get(identity)
+        if peer is None:
+            return True  # not bound: dropped as any message from it would be
+        if self._demand_of(peer).admit(time.monotonic(), size):
+            return True
+        self.num_demand_refused += 1
+        self._drops.note(
+            "demand frames over the rate",
+            f"{peer.engine_id!r}: at most {p.MAX_DEMAND_FRAMES_PER_S:g} frames and "
+            f"{p.MAX_DEMAND_BYTES_PER_S} bytes a second",
+        )
+        return False
+
+    def _demand_of(self, peer: Peer) -> DemandBounds:
+        if peer.demand is None:
+            peer.demand = DemandBounds(engine_capacity(peer.capacity))
+        return peer.demand
+
+    def _bound_demand(self, peer: Peer, demand: p.Demand) -> p.Demand:
+        """What the allocator hears of an engine's demand (control_plane/push/demand.py;
+        the rates were checked before the frame was decoded: demand_fits)."""
+        passed, implausible = self._demand_of(peer).bound(demand)
+        if implausible:
+            self.num_implausible_demands += 1
+            self._flagged.note(peer.engine_id, implausible)
+            self._drops.note("implausible demand", f"{peer.engine_id!r}: {implausible}")
+        return passed
+
+    def _on_leaving(self, identity: bytes, peer: Peer, message: p.Leaving, now: float) -> None:
+        """The engine (or its API server) stops: it leaves the fleet now, its row says
+        disconnected, and its id is free for the engine that replaces it."""
+        self._peers.forget(identity)
+        if not self._peers.holds(peer.engine_id, peer.role):
+            self._status.disconnect(peer.engine_id, peer.role)
+        self._leadership.left(peer)

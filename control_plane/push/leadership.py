@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 from control_plane.config.follower import Catchup
@@ -48,6 +48,7 @@ class FleetLeadership:
         term: Callable[[], Term | None] | None,
         make_fleet: Callable[[float], FleetCoordinator] | None,
         share_lease_s: float,
+        share_kept_s: float = 0.0,
     ) -> None:
         """``term``, ``make_fleet`` (with a relay): this replica's leadership now, and a
         coordinator for a new term (given when its first shares may go out)."""
@@ -63,6 +64,8 @@ class FleetLeadership:
         self._term = term
         self._make_fleet = make_fleet
         self._share_lease_s = share_lease_s
+        # How long past its lease an engine may keep its shares (the "keep" outage policy).
+        self._share_kept_s = share_kept_s
         # The token of the term self.fleet was made for.
         self._fleet_token: int | None = None
         # The token of the term whose coordinator is being made (its reads are under way).
@@ -87,16 +90,19 @@ class FleetLeadership:
         """This replica runs the fleet allocator now."""
         return self.fleet is not None
 
-    def fleet_size(self, role: p.Role) -> tuple[int, bool]:
+    def fleet_size(self, role: p.Role, joining: Iterable[str] = ()) -> tuple[int, bool]:
         """The fleet size a snapshot for ``role`` carries (an engine's safe shares hold
-        from its first request), and whether the live engine rows of every replica count
-        too (the larger wins)."""
+        from its first request), counting the engines it goes to (``joining``) that the
+        fleet does not know yet: a second engine starts at L / 2, not L. And whether the
+        live engine rows of every replica count too (the reader then counts the rows and
+        the joining engines together; the larger wins)."""
         if role == p.API_ROLE or (self.fleet is None and self.relay is None):
             return 1, False
+        fleet = self.fleet
         if self.relay is None:
-            assert self.fleet is not None
-            return self.fleet.num_engines, False
-        return (0 if self.fleet is None else self.fleet.num_engines), True
+            assert fleet is not None
+            return fleet.size_with(joining), False
+        return (0 if fleet is None else fleet.size_with(joining)), True
 
     # ---- every loop turn ---------------------------------------------------------------
 
@@ -131,6 +137,16 @@ class FleetLeadership:
             self._send_shares(self.fleet.on_demand(peer.engine_id, message))
         elif not self.fleet.on_ack(peer.engine_id, message):
             self._drops.note("share ack of another epoch", repr(peer.engine_id))
+
+    def left(self, peer: Peer) -> None:
+        """An engine core said Leaving: out of the fleet now, its shares to the others
+        (through the leader, with replicas)."""
+        if peer.role != p.ENGINE_ROLE:
+            return
+        if self.fleet is None and self.relay is not None:
+            self.relay.up(peer.engine_id, p.encode(p.Leaving(peer.engine_id)))
+        elif self.fleet is not None:
+            self._send_shares(self.fleet.leave(peer.engine_id))
 
     def beat(self, now: float) -> None:
         """A follower lists its live engines to the leader."""
@@ -177,6 +193,9 @@ class FleetLeadership:
                     self._send_shares(fleet.on_demand(engine_id, message))
                 elif isinstance(message, p.ShareAck):
                     fleet.on_ack(engine_id, message)
+                elif isinstance(message, p.Leaving):
+                    self._home_of.pop(engine_id, None)
+                    self._send_shares(fleet.leave(engine_id))
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -210,7 +229,7 @@ class FleetLeadership:
             return
         assert self._make_fleet is not None
         stopped_at = max(term.predecessor_ended_at, self._last_shares_at)
-        fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s))
+        fleet = self._make_fleet(quiet_until(stopped_at, self._share_lease_s, self._share_kept_s))
         fleet.await_engines(start.live)
         self._refresh(fleet, Catchup(None, snapshot=start.snapshot))
         self.fleet = fleet

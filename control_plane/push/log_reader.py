@@ -1,8 +1,15 @@
 """Every read the push server makes of the configuration, on a thread of its own: the
 one place that knows the change log and the snapshots.
 
-- ``follow``: the change log after the newest version read so far; every commit asks
-  for it (``PushServer.notify``), and the socket thread's poll as the safety net;
+- ``committed(commit)``: a write committed on this replica hands its ops in
+  (``PushServer.committed``, the database's on-commit hook). When its version is the one
+  right after the newest read, those ops are the read: encoded on the committing thread
+  and handed to the socket thread, no database read. Any other version (one this replica
+  has not read comes between: another replica's write, a write not handed in) is read
+  from the log, as ``notified`` does;
+- ``notified(version)``, ``follow``: the change log after the newest version read so far,
+  for a version known by its number only (another replica's write, through the
+  database's notifications), and the socket thread's poll as the safety net;
 - ``read(since)``: the log after an older version, for connections behind the newest;
 - ``snapshot(role)``: what a connection gets first, encoded once per version and fleet
   size, so that engines connecting together share one read;
@@ -25,7 +32,7 @@ import msgspec
 
 from control_plane.config import service as config
 from control_plane.config.follower import Catchup, StoredLog, read_catchup
-from control_plane.db import Database
+from control_plane.db import Commit, Database
 from control_plane.engines import service as engines
 from control_plane.keys import service as keys
 from control_plane.push.worker import DatabaseWorker
@@ -45,6 +52,11 @@ def ops_for(role: p.Role, ops: list[p.Op]) -> list[p.Op]:
     """An API server gets the key ops only; an engine core the limit ops only."""
     want_keys = role == p.API_ROLE
     return [op for op in ops if isinstance(op, KEY_OPS) == want_keys]
+
+
+def encode_deltas(version: int, ops: list[p.Op]) -> dict[p.Role, bytes]:
+    """role -> the delta of ``version`` as that role receives it."""
+    return {role: p.encode(p.Delta(version, ops_for(role, ops))) for role in ROLES}
 
 
 @dataclass(frozen=True)
@@ -82,9 +94,11 @@ class LogReader:
         self._worker = DatabaseWorker("output-rate-push-reads", wake)
         self._on_read = on_read
         self._engine_timeout_s = engine_timeout_s
-        # The newest version a read returned (written by the reader thread, read by
-        # notify() on any thread: an int, read atomically).
+        # The newest version a read handed to the socket thread, from the log or from a
+        # commit here (written under _newest_lock by the reader thread and committing
+        # threads; read without it: an int, read atomically).
         self.newest = 0
+        self._newest_lock = threading.Lock()
         self._follow_lock = threading.Lock()
         # A follow is queued and has not started: another would read nothing more.
         self._follow_queued = False
@@ -104,6 +118,28 @@ class LogReader:
     def deliver(self) -> None:
         self._worker.deliver()
 
+    def committed(self, commit: Commit) -> None:
+        """A write committed on this replica (the writer's thread, after its commit)."""
+        # Encoded before the lock: a committer never waits on another's encoding.
+        read = LogRead(
+            commit.version - 1,
+            commit.version,
+            {commit.version: encode_deltas(commit.version, list(commit.ops))},
+        )
+        with self._newest_lock:
+            ready = commit.version == self.newest + 1
+            if ready:
+                self.newest = commit.version
+                # Under the lock: the next version's read is handed back after this one.
+                self._worker.ready(read, self._on_read)
+        if not ready:
+            self.notified(commit.version)
+
+    def notified(self, version: int) -> None:
+        """``version`` was committed (any thread): read the log, unless a read carried it."""
+        if version > self.newest:
+            self.follow()
+
     def follow(self) -> None:
         with self._follow_lock:
             if self._follow_queued:
@@ -119,13 +155,14 @@ class LogReader:
         role: p.Role,
         num_engines: int,
         count_rows: bool,
+        joining: frozenset[str],
         then: Callable[[tuple[int, bytes]], None],
         failed: Callable[[], None],
     ) -> None:
         """``then((version, frame))``: the snapshot a connection of ``role`` gets, with
         the fleet size ``num_engines``, or (``count_rows``) the larger of that and the
-        live engine rows of every replica."""
-        job = partial(self._snapshot, role, num_engines, count_rows)
+        live engine rows of every replica with the engines it goes to (``joining``)."""
+        job = partial(self._snapshot, role, num_engines, count_rows, joining)
         self._worker.submit(job, then, failed)
 
     def model(
@@ -156,17 +193,20 @@ class LogReader:
             except p.ProtocolError:
                 logger.exception("config change %d cannot be sent", version)
                 break
-            deltas[version] = {
-                role: p.encode(p.Delta(version, ops_for(role, ops))) for role in ROLES
-            }
+            deltas[version] = encode_deltas(version, ops)
         newest = changes[-1][0] if changes else since
-        self.newest = max(self.newest, newest)
+        with self._newest_lock:
+            self.newest = max(self.newest, newest)
         return LogRead(since, newest, deltas)
 
-    def _snapshot(self, role: p.Role, num_engines: int, count_rows: bool) -> tuple[int, bytes]:
+    def _snapshot(
+        self, role: p.Role, num_engines: int, count_rows: bool, joining: frozenset[str]
+    ) -> tuple[int, bytes]:
         if count_rows:
-            live = self._db.run_now(engines.count_live_engines, timeout_s=self._engine_timeout_s)
-            num_engines = max(1, num_engines, live)
+            live: list[str] = self._db.run_now(
+                engines.live_engine_ids, within_s=self._engine_timeout_s
+            )
+            num_engines = max(1, num_engines, len(joining.union(live)))
         cached = self._snapshots.get(role)
         if (
             cached is not None

@@ -95,6 +95,20 @@ class PushCollector(Collector):
         )
         elsewhere.add_metric([], self._server.status.num_binds_refused_elsewhere)
         yield elsewhere
+        dispatcher = self._server.dispatcher
+        demand_refused = CounterMetricFamily(
+            "output_rate_push_demand_refused",
+            "Demand frames refused: over the rate one connection may send",
+        )
+        demand_refused.add_metric([], dispatcher.num_demand_refused)
+        yield demand_refused
+        implausible = CounterMetricFamily(
+            "output_rate_push_implausible_demand",
+            "Demand frames whose claim no honest engine makes (over 16 x its capacity, or "
+            'too many users): the engine is flagged in the log (docs/fleet.md, "Trust")',
+        )
+        implausible.add_metric([], dispatcher.num_implausible_demands)
+        yield implausible
         relay = self._server.leadership.relay
         if relay is not None:
             rows = CounterMetricFamily(

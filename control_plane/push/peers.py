@@ -4,7 +4,8 @@ Trust (docs/live-push.md, "Trust model"): a connection (ROUTER identity) is boun
 engine id and role by its first HELLO (or, after a server restart, its first
 HEARTBEAT/RESYNC). The bind is refused, and logged, when that (id, role) is held by
 another live connection, when the connection's CURVE key is listed with other engine
-ids, or when too many connections are bound, or bound and unproven. With replicas the
+ids, or when too many connections are bound, or bound and unproven; ``admit`` says why
+(a ``Refusal``: what the connection is told, and for a clash who holds the id). With replicas the
 database also has a say (another replica may hold the id): while it is asked, the bind
 is pending and counts as held. Used on the socket thread only, except ``all``.
 """
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from control_plane.push.demand import DemandBounds
 from control_plane.push.drops import DropLog
 from output_rate_core import protocol as p
 
@@ -37,10 +39,15 @@ class Peer:
 
     engine_id: str
     model: str = ""
+    # The vLLM it said it runs in its HELLO ("": not known); None: bound by a heartbeat
+    # or resync (after a restart of this server), so not said.
+    vllm_version: str | None = None
     # An engine core, or the API server of the engine with that id.
     role: p.Role = p.ENGINE_ROLE
     # Z85 CURVE public key of the connection (None on plain TCP).
     key: str | None = None
+    # Where it connects from (ZMQ's Peer-Address: the IP on TCP; "" when unknown).
+    address: str = ""
     # The last version sent to it (snapshot or delta; -1: no snapshot yet) and the last
     # it applied.
     sent_version: int = -1
@@ -57,11 +64,25 @@ class Peer:
     # What its status row last said, and when it was written (None: not written yet).
     written_status: tuple[str, int] | None = None
     status_written_at: float = float("-inf")
+    # The capacity it said at HELLO (0: not said), and its demand as passed on.
+    capacity: int = 0
+    demand: DemandBounds | None = None
 
     @property
     def has_snapshot(self) -> bool:
         """A snapshot went to it: frames other than a snapshot may follow."""
         return self.sent_version >= 0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a connection may not bind: what it is told, and for a clash (``engine_id_in_use``)
+    who holds the id, for the log and GET /engines."""
+
+    refused: p.Refused
+    holder_address: str = ""
+    # Since when the holder was heard, or which replica holds the id.
+    held_for: str = ""
 
 
 @dataclass
@@ -74,6 +95,10 @@ class PendingBind:
     model: str
     key: str | None
     known: bool
+    vllm_version: str | None = None
+    address: str = ""
+    # The capacity it said at HELLO (0: not said).
+    capacity: int = 0
     # What the connection sent meanwhile, handled once the bind is decided.
     held: list[p.Message] = field(default_factory=list)
 
@@ -136,9 +161,9 @@ class PeerTable:
         """Engine ids that applied a version here before this server started."""
         self._known_ids |= engine_ids
 
-    def admit(self, engine_id: str, role: p.Role, key: str | None, now: float) -> bool:
-        """Whether a new connection may bind to (engine_id, role); a refusal is logged
-        and counted. The allow-list check is the same for both roles: an API server
+    def admit(self, engine_id: str, role: p.Role, key: str | None, now: float) -> Refusal | None:
+        """None if a new connection may bind to (engine_id, role), else why not (counted
+        with the drops). The allow-list check is the same for both roles: an API server
         holds its engine's key, or one listed with its engine id."""
         if self._client_keys is not None:
             allowed = self._client_keys.get(key or "")
@@ -147,7 +172,9 @@ class PeerTable:
                     "engine key may not claim that engine id",
                     f"key {(key or '?')[:8]}... claimed {engine_id!r}",
                 )
-                return False
+                return Refusal(
+                    p.Refused("engine_id_not_allowed", "this CURVE key may not claim it")
+                )
         owner = self._owners.get((engine_id, role))
         if owner is not None:
             holder = self._peers.get(owner)
@@ -157,28 +184,55 @@ class PeerTable:
                     "engine id already bound to another live connection",
                     f"{engine_id!r} ({role})",
                 )
-                return False
+                pending = self._pending.get(owner)
+                address = holder.address if holder is not None else ""
+                if pending is not None:
+                    address = pending.address
+                heard = (
+                    "binding now" if holder is None else f"heard {now - holder.last_seen:.1f}s ago"
+                )
+                return Refusal(
+                    p.Refused(
+                        "engine_id_in_use",
+                        f"another live connection ({address or '?'}) holds it; give each "
+                        "engine a unique --output-rate-engine-id",
+                    ),
+                    holder_address=address,
+                    held_for=heard,
+                )
             self.forget(owner)
         if len(self._peers) + len(self._pending) >= MAX_PEERS:
             self._drops.note("too many connections", f"at most {MAX_PEERS}")
-            return False
+            return Refusal(p.Refused("server_full", f"at most {MAX_PEERS} connections"))
         num_unproven = self.num_unproven + sum(not b.known for b in self._pending.values())
         if engine_id not in self._known_ids and num_unproven >= MAX_UNPROVEN_PEERS:
             self._drops.note(
                 "too many connections that have not acknowledged a snapshot",
                 f"at most {MAX_UNPROVEN_PEERS}",
             )
-            return False
-        return True
+            return Refusal(
+                p.Refused("server_full", f"at most {MAX_UNPROVEN_PEERS} new engines at once")
+            )
+        return None
 
     def hold(
-        self, identity: bytes, engine_id: str, role: p.Role, model: str, key: str | None
+        self,
+        identity: bytes,
+        engine_id: str,
+        role: p.Role,
+        model: str,
+        key: str | None,
+        vllm_version: str | None = None,
+        address: str = "",
+        capacity: int = 0,
     ) -> None:
         """An admitted bind waits for the database: it holds (engine_id, role) and counts
         against the bounds meanwhile."""
         assert identity not in self._peers and identity not in self._pending
         known = engine_id in self._known_ids
-        self._pending[identity] = PendingBind(engine_id, role, model, key, known)
+        self._pending[identity] = PendingBind(
+            engine_id, role, model, key, known, vllm_version, address, capacity
+        )
         self._owners[engine_id, role] = identity
 
     def settle(self, identity: bytes) -> PendingBind:
@@ -196,6 +250,9 @@ class PeerTable:
         model: str,
         key: str | None,
         now: float,
+        vllm_version: str | None = None,
+        address: str = "",
+        capacity: int = 0,
     ) -> Peer:
         """Bind an admitted connection to (engine_id, role)."""
         assert identity not in self._peers
@@ -203,11 +260,14 @@ class PeerTable:
         peer = self._peers[identity] = Peer(
             engine_id=engine_id,
             model=model,
+            vllm_version=vllm_version,
             role=role,
             key=key,
+            address=address,
             proven=known,
             bound_at=now,
             last_seen=now,
+            capacity=capacity,
         )
         self._owners[engine_id, role] = identity
         if not known:

@@ -83,11 +83,14 @@ class Publisher:
         if role in self._loading:
             return
         self._loading.add(role)
-        num_engines, count_rows = self._leadership.fleet_size(role)
+        # The engines it goes to count in the fleet size it carries.
+        joining = frozenset(peer.engine_id for peer in self._awaiting.get(role, {}).values())
+        num_engines, count_rows = self._leadership.fleet_size(role, joining)
         self._reader.snapshot(
             role,
             num_engines,
             count_rows,
+            joining,
             partial(self._snapshot_read, role),
             partial(self._loading.discard, role),  # read again at the next poll
         )

@@ -10,8 +10,10 @@ come back through a queue and the wake-up socket. The parts, each owning its sta
 - ``publisher.py``: what each connection is sent: a snapshot first, then every committed
   change in version order, heartbeats after;
 - ``log_reader.py``: every read of the configuration (the change log, snapshots), on its
-  thread; writers wake it through ``notify`` right after their commit, and a poll of the
-  log every ``poll_interval_s`` is the safety net;
+  thread; a write committed here hands its ops in (``committed``), which are sent as
+  they are when no version is missing before them; another replica's write (``notify``)
+  is read from the log, and a poll of the log every ``poll_interval_s`` is the safety
+  net;
 - ``leadership.py``: the fleet allocator (with replicas, the leader's; the relay);
 - ``status.py``: the engine rows (GET /engines), on its thread;
 - ``outbox.py``: the one send path.
@@ -32,12 +34,15 @@ from typing import Any
 
 import zmq
 
-from control_plane.db import Database
+from control_plane.db import Commit, Database
 from control_plane.fencing import Term
 from control_plane.fleet.coordinator import FleetCoordinator
 from control_plane.push import keys as push_keys
+from control_plane.push.claims import RefusedClaims
+from control_plane.push.database_watch import DatabaseWatch
 from control_plane.push.dispatch import Dispatcher
 from control_plane.push.drops import DropLog
+from control_plane.push.flagged import FlaggedDemands
 from control_plane.push.leadership import FleetLeadership
 from control_plane.push.log_reader import LogRead, LogReader
 from control_plane.push.outbox import Outbox
@@ -55,10 +60,22 @@ logger = logging.getLogger(__name__)
 # Frames queued for one peer before ZMQ drops further frames to it (the peer then sees
 # a gap and asks for a snapshot): a reading engine drains deltas as fast as they come.
 PEER_SEND_HWM = 64
+# Frames queued from one peer before ZMQ stops reading its connection (the peer's own
+# queue then fills): a flooding peer costs this process at most this many frames of
+# MAX_ENGINE_MESSAGE_BYTES, not ZMQ's default 1,000. Honest engines send a few a second.
+PEER_RECV_HWM = 64
 # Engine messages handled before the loop publishes and beats again.
 MAX_MESSAGES_PER_DRAIN = 1000
 # How long a closing server's socket keeps trying to deliver its goodbyes.
 GOODBYE_LINGER_MS = 500
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP a TCP peer connects from ("" on other transports)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return ""
 
 
 class _AllowedKeys:
@@ -91,6 +108,7 @@ class PushServer:
         term: Callable[[], Term | None] | None = None,
         make_fleet: Callable[[float], FleetCoordinator] | None = None,
         share_lease_s: float = 10.0,
+        share_kept_s: float = 0.0,
         outbox: Outbox | None = None,
     ) -> None:
         """``fleet``: the coordinator of a single replica; with a ``relay``, ``term`` and
@@ -128,6 +146,7 @@ class PushServer:
             term=term,
             make_fleet=make_fleet,
             share_lease_s=share_lease_s,
+            share_kept_s=share_kept_s,
         )
         self.publisher = Publisher(
             peers=self.peers, outbox=self.outbox, reader=self.reader, leadership=self.leadership
@@ -142,14 +161,26 @@ class PushServer:
             engine_retention_s=engine_retention_s,
             term=term,
         )
-        self._dispatcher = Dispatcher(
+        # Claims of live engine ids refused here (GET /engines shows them).
+        self.claims = RefusedClaims()
+        # Engines whose demand was flagged implausible here (GET /engines shows them).
+        self.flagged = FlaggedDemands()
+        # Replicas: one cut off from the database sends its engines to another.
+        self.database_watch = (
+            DatabaseWatch(db.ping) if self.leadership.replica_id is not None else None
+        )
+        self.dispatcher = Dispatcher(
             peers=self.peers,
             publisher=self.publisher,
             leadership=self.leadership,
             status=self.status,
             drops=self.drops,
+            outbox=self.outbox,
+            claims=self.claims,
+            flagged=self.flagged,
             usage=usage,
             key_uses=key_uses,
+            welcome=self._welcome,
         )
         self._context = zmq.Context()
         self._authenticator: Any = None
@@ -220,6 +251,7 @@ class PushServer:
             term=term,
             make_fleet=make_fleet,
             share_lease_s=settings.share_lease_s,
+            share_kept_s=settings.outage.kept_s,
         )
 
     # ---- lifecycle (any thread) -------------------------------------------
@@ -245,6 +277,7 @@ class PushServer:
             max_message_bytes=p.MAX_ENGINE_MESSAGE_BYTES,
         )
         router.setsockopt(zmq.SNDHWM, PEER_SEND_HWM)
+        router.setsockopt(zmq.RCVHWM, PEER_RECV_HWM)
         # A full queue raises Again instead of dropping in silence (see Outbox.send).
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.bind(self.endpoint)
@@ -257,6 +290,8 @@ class PushServer:
         self._wake_sender.connect(self._wake_address)
         self.peers.know(self.status.start())
         self.reader.start()
+        if self.database_watch is not None:
+            self.database_watch.start()
         self._thread = threading.Thread(
             target=self._loop, args=(router, wake_receiver), name="output-rate-push", daemon=True
         )
@@ -267,10 +302,15 @@ class PushServer:
             "CURVE" if self._secret_key else "plain TCP",
         )
 
+    def committed(self, commit: Commit) -> None:
+        """A write committed on this replica (the database's on-commit hook, the writer's
+        thread): publish it now."""
+        self.reader.committed(commit)
+
     def notify(self, version: int) -> None:
-        """Called after a write committed (any thread): publish ``version`` now."""
-        if version > self.reader.newest:  # else a later write's read carried it
-            self.reader.follow()
+        """``version`` was committed, known by its number only (another replica's write;
+        any thread): publish it now."""
+        self.reader.notified(version)
 
     def wake(self) -> None:
         """Have the socket thread look at what arrived (the relay, the database
@@ -286,6 +326,8 @@ class PushServer:
         self.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.database_watch is not None:
+            self.database_watch.close()
         with self._wake_lock:
             if self._wake_sender is not None:
                 self._wake_sender.close(linger=0)
@@ -307,6 +349,8 @@ class PushServer:
                     events = dict(poller.poll(100))
                     while wake.poll(0):
                         wake.recv()
+                    if self.database_watch is not None and self.database_watch.changed() is False:
+                        self._send_all_away()
                     self.reader.deliver()
                     self.status.deliver()
                     self.leadership.lead()
@@ -340,6 +384,21 @@ class PushServer:
             router.close(linger=GOODBYE_LINGER_MS)
             wake.close(linger=0)
 
+    def _welcome(self) -> bool:
+        """Whether a connection may bind here now (a replica cut off from its database
+        turns engines away)."""
+        return self.database_watch is None or self.database_watch.reachable
+
+    def _send_all_away(self) -> None:
+        """The database is lost: every engine is told Goodbye (it moves to the next
+        replica at once, keeping what it holds) and forgotten here. Its row is not
+        written (nothing can be): the next replica may claim it once the row is
+        HOME_SILENT_AFTER_S old (control_plane/push/status.py)."""
+        goodbye = p.encode(p.Goodbye())
+        for identity, _ in self.peers.items():
+            self.outbox.send(identity, goodbye)
+            self.peers.forget(identity)
+
     def _drain(self, router: zmq.Socket) -> None:
         # Bounded: a peer that never stops sending must not starve publishing and beats.
         for _ in range(MAX_MESSAGES_PER_DRAIN):
@@ -351,13 +410,21 @@ class PushServer:
                 self.drops.note("not one frame")
                 continue
             identity, frame = frames[0].bytes, frames[1]
+            data = frame.bytes
+            if p.peek_type(data) == p.DEMAND and not self.dispatcher.demand_fits(
+                identity, len(data)
+            ):
+                continue  # over the rates: refused before it costs a decode
             try:
-                message = p.decode(frame.bytes, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
+                message = p.decode(data, max_bytes=p.MAX_ENGINE_MESSAGE_BYTES)
             except p.ProtocolError as e:
                 self.drops.note("malformed", str(e)[:200])
                 continue
             key = frame.get("User-Id") if self._secret_key is not None else None
-            self._dispatcher.route(identity, message, str(key) if key else None)
+            # Where a connection comes from is asked only before it is bound (the log
+            # and GET /engines name both peers of a refused claim).
+            address = "" if self.peers.get(identity) is not None else _peer_address(frame)
+            self.dispatcher.route(identity, message, str(key) if key else None, address)
 
     def _on_read(self, read: LogRead) -> None:
         self.leadership.on_log(read.newest)

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+
+from sqlalchemy.exc import IntegrityError
 
 from control_plane.db import Database
 from control_plane.engines import service as engines
@@ -35,6 +38,21 @@ STATUS_FLUSH_INTERVAL_S = 0.2
 # last_seen and for the fleet-wide bind (a home heard within the engine timeout, 5 s by
 # default), while every usage report or heartbeat no longer costs a row update.
 STATUS_REFRESH_S = 1.0
+# An engine id homed at another replica that has not rewritten its row for this long is
+# free to claim (its home stopped hearing it, or stopped): a live home rewrites the row of
+# every engine it hears at least every STATUS_REFRESH_S (+ a flush). An engine with several
+# replicas leaves a silent one after SERVER_SILENCE_S, a second after it last heard it
+# (its heartbeat), so the row of a replica that died is this old by then and the next
+# replica binds the engine at once (docs/replicas.md, "Failover"). A home whose writes lag
+# more than the difference (1.3 s) may lose an engine to a clashing claim; its next write
+# lets go of it (moved).
+HOME_SILENT_AFTER_S = p.SERVER_SILENCE_S - p.HEARTBEAT_INTERVAL_S
+assert HOME_SILENT_AFTER_S > STATUS_REFRESH_S + STATUS_FLUSH_INTERVAL_S
+# A claim refused because another replica holds the id is asked again this often, for
+# HOME_SILENT_AFTER_S (the bind waits meanwhile): an engine that left a replica cut off
+# from its database arrives before that replica's row is old enough, and must not be told
+# of a clash (one that is real stays refused: its home keeps writing).
+CLAIM_RETRY_S = 0.25
 # Engine rows not seen for the retention are deleted this often.
 RETENTION_SWEEP_INTERVAL_S = 60.0
 ROLES: tuple[p.Role, ...] = (p.ENGINE_ROLE, p.API_ROLE)
@@ -83,6 +101,9 @@ class StatusWriter:
         self.num_status_rows_written = 0
         # Engine ids refused because another replica holds them.
         self.num_binds_refused_elsewhere = 0
+        # Claims refused and to be asked again: (when, engine id, role, then, first asked)
+        self._claim_retries: list[tuple[float, str, p.Role, Callable[[bool | None], None], float]]
+        self._claim_retries = []
 
     @property
     def claims(self) -> bool:
@@ -117,11 +138,18 @@ class StatusWriter:
 
     # ---- the socket thread ---------------------------------------------------------
 
-    def claim(self, engine_id: str, role: p.Role, then: Callable[[bool], None]) -> None:
-        """``then(claimed)``: whether this replica may bind (engine_id, role); a refusal
-        is logged and counted."""
+    def claim(self, engine_id: str, role: p.Role, then: Callable[[bool | None], None]) -> None:
+        """``then(claimed)``: whether this replica may bind (engine_id, role), None when
+        the database did not answer; a refusal (after HOME_SILENT_AFTER_S of asking
+        again) is logged and counted."""
+        self._ask_claim(engine_id, role, then, time.monotonic())
+
+    def _ask_claim(
+        self, engine_id: str, role: p.Role, then: Callable[[bool | None], None], first: float
+    ) -> None:
         self._worker.submit(
-            partial(self._claim, engine_id, role), partial(self._claimed, engine_id, role, then)
+            partial(self._claim, engine_id, role),
+            partial(self._claimed, engine_id, role, then, first),
         )
 
     def touch(self, identity: bytes) -> None:
@@ -133,6 +161,11 @@ class StatusWriter:
     def flush(self, now: float) -> None:
         """Hand the due rows over, one batch at a time (while the database is slow they
         stay due instead of piling up)."""
+        if self._claim_retries and self._claim_retries[0][0] <= now:
+            due_claims = [retry for retry in self._claim_retries if retry[0] <= now]
+            self._claim_retries = [retry for retry in self._claim_retries if retry[0] > now]
+            for _, engine_id, role, then, first in due_claims:
+                self._ask_claim(engine_id, role, then, first)
         if not self._dirty or self._batch is not None:
             return
         if now - self._last_flush < STATUS_FLUSH_INTERVAL_S:
@@ -154,6 +187,7 @@ class StatusWriter:
                 applied_version=peer.applied_version,
                 first_seen=peer.first_seen,
                 role=peer.role,
+                vllm_version=peer.vllm_version,
             )
             for _, peer in self._batch.values()
         ]
@@ -188,9 +222,18 @@ class StatusWriter:
         return due
 
     def _claimed(
-        self, engine_id: str, role: p.Role, then: Callable[[bool], None], claimed: bool
+        self,
+        engine_id: str,
+        role: p.Role,
+        then: Callable[[bool | None], None],
+        first: float,
+        claimed: bool | None,
     ) -> None:
-        if not claimed:
+        now = time.monotonic()
+        if claimed is False and now - first < HOME_SILENT_AFTER_S:
+            self._claim_retries.append((now + CLAIM_RETRY_S, engine_id, role, then, first))
+            return
+        if claimed is False:
             self.num_binds_refused_elsewhere += 1
             self._drops.note("engine id live on another replica", f"{engine_id!r} ({role})")
         then(claimed)
@@ -217,19 +260,25 @@ class StatusWriter:
 
     # ---- the status thread -------------------------------------------------------------
 
-    def _claim(self, engine_id: str, role: p.Role) -> bool:
+    def _claim(self, engine_id: str, role: p.Role) -> bool | None:
         assert self._replica_id is not None, "claims are for replicas"
         try:
             claimed: bool = self._db.run_now(
                 engines.claim_engine,
                 engine_id=engine_id,
                 replica=self._replica_id,
-                timeout_s=self._engine_timeout_s,
+                timeout_s=min(self._engine_timeout_s, HOME_SILENT_AFTER_S),
                 role=role,
             )
-        except Exception as e:  # a claim racing another replica's: the other has it
+        except IntegrityError as e:
+            # A claim racing another replica's (one row per engine id): the other has it.
             logger.debug("claim of %r failed: %s", engine_id, e)
             return False
+        except Exception as e:
+            # No answer (the database is away, a transaction that failed): the engine is
+            # sent on to another replica rather than told of a clash that is none.
+            logger.warning("claim of %r: no answer from the database: %s", engine_id, e)
+            return None
         return claimed
 
     def _write(self, seen: list[engines.EngineSeen]) -> Written:

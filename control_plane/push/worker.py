@@ -50,6 +50,12 @@ class DatabaseWorker:
         instead. Any thread."""
         self._jobs.put((job, then, failed))
 
+    def ready(self, result: T, then: Callable[[T], None]) -> None:
+        """``then(result)`` on the socket thread for a result that needed no job (it was
+        in memory): handed back as a job's is, behind the results handed back before it.
+        Any thread."""
+        self._hand_back(partial(then, result))
+
     def deliver(self) -> None:
         """The socket thread: apply the results that came back, in order (one that
         raises leaves the rest for the next call)."""

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TTL_S = 3.0
 # PostgreSQL ends a session left inside a transaction this long (a replica stopped or
 # frozen mid-transaction), so its row locks go with it: another replica's engine claims
-# (an engine moves after 10.5 s of silence) and writes never wait on it for longer. Our
+# and writes never wait on it for longer (a failover from a frozen replica that held an
+# engine's row lock then takes up to this long, over the 3.5 s silence). Our
 # transactions never idle this long between statements.
 STOPPED_SESSION_TIMEOUT_S = 5.0
 

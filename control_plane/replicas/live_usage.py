@@ -66,7 +66,8 @@ LOCK_TIMEOUT_MS = 500
 class _Report(msgspec.Struct, array_like=True, frozen=True):
     """One report (its parts together): seconds before the write it arrived, its interval,
     its tokens, and per user the tokens granted, steps refused, steps a shadow limit would
-    have refused."""
+    have refused, tokens borrowed. Fields are appended last with a default: a replica of
+    an older build ignores the ones it does not know, and decodes the rest."""
 
     age: float
     interval_s: float
@@ -74,6 +75,7 @@ class _Report(msgspec.Struct, array_like=True, frozen=True):
     granted: dict[str, int]
     throttled: dict[str, int]
     would_throttle: dict[str, int]
+    borrowed: dict[str, int] = {}
 
 
 class _Window(msgspec.Struct, array_like=True, frozen=True):
@@ -107,6 +109,7 @@ def encode_window(window: EngineWindow) -> bytes:
                     _merged(part.granted for part in i.parts),
                     _merged(part.throttled for part in i.parts),
                     _merged(part.would_throttle for part in i.parts),
+                    _merged(part.borrowed_counts for part in i.parts),
                 )
                 for i in window.intervals
             ],
@@ -129,6 +132,7 @@ def decode_window(engine_id: str, body: bytes, at: float) -> EngineWindow:
                         r.granted,
                         r.throttled,
                         would_throttle=r.would_throttle,
+                        borrowed=r.borrowed,
                     ),
                 ),
                 r.tokens,

@@ -30,6 +30,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
+from control_plane.db import Commit
+
 logger = logging.getLogger(__name__)
 
 CHANNEL_PREFIX = "output_rate_changes"
@@ -88,7 +90,7 @@ class _Session(threading.Thread):
 
 
 class ChangeAnnouncer(_Session):
-    """Sends ``NOTIFY channel, 'version'`` after commits (``announce`` is a Database
+    """Sends ``NOTIFY channel, 'version'`` after commits (``committed`` is a Database
     on_commit hook: it only records the version and wakes the thread)."""
 
     def __init__(self, engine: Engine, channel: str) -> None:
@@ -98,6 +100,9 @@ class ChangeAnnouncer(_Session):
         # The highest committed version not announced yet (0: none).
         self._pending = 0
         self.num_announced = 0
+
+    def committed(self, commit: Commit) -> None:
+        self.announce(commit.version)
 
     def announce(self, version: int) -> None:
         with self._lock:

@@ -1,12 +1,13 @@
 """Live usage reported by engines, aggregated for GET /usage and /metrics: the book the
 push server hands every report to, which readers see as a `UsageSource` (control_plane/deps.py).
 
-Each engine reports, about once a second, the output tokens it granted, the
-request-steps it refused and the request-steps a shadow limit would have refused (it
-served them) per user, with the interval the counts cover. A
-user's rate is summed over engines; each engine's share is its counts over the
-time its reports cover inside the window, and never more than one engine's bound
-(MAX_ENGINE_TOKENS_PER_S), whatever intervals the engine claimed.
+Each engine reports, about once a second, the output tokens it granted (and of them,
+those it lent beyond the user's rate: borrowed), the request-steps it refused and the
+request-steps a shadow limit would have refused (it served them) per user, with the
+interval the counts cover. A user's rate (and borrowed rate) is summed over engines;
+each engine's share is its counts over the time its reports cover inside the window, and
+never more than one engine's bound (MAX_ENGINE_TOKENS_PER_S), whatever intervals the
+engine claimed.
 
 Bounds (docs/live-push.md, "Trust model"): only bound connections report, under their
 own engine id; each report is checked by the protocol (at most MAX_USAGE_USERS users
@@ -103,7 +104,7 @@ class Refusals:
 
 
 @dataclass
-class _Pace:
+class Pace:
     """GCRA on the control plane's clock: at most `rate` units a second, `burst_s`
     seconds' worth at once. `due` is when everything taken so far would be paid off."""
 
@@ -122,14 +123,12 @@ class _Pace:
 class _EngineBounds:
     """One engine's paces, and the parts of a split report that are still arriving."""
 
-    reports: _Pace = field(
-        default_factory=lambda: _Pace(MAX_REPORTS_PER_S, MAX_REPORT_BURST / MAX_REPORTS_PER_S)
+    reports: Pace = field(
+        default_factory=lambda: Pace(MAX_REPORTS_PER_S, MAX_REPORT_BURST / MAX_REPORTS_PER_S)
     )
-    tokens: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_TOKENS_PER_S, USAGE_BURST_S))
-    steps: _Pace = field(default_factory=lambda: _Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S))
-    would_steps: _Pace = field(
-        default_factory=lambda: _Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S)
-    )
+    tokens: Pace = field(default_factory=lambda: Pace(p.MAX_ENGINE_TOKENS_PER_S, USAGE_BURST_S))
+    steps: Pace = field(default_factory=lambda: Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S))
+    would_steps: Pace = field(default_factory=lambda: Pace(p.MAX_ENGINE_STEPS_PER_S, USAGE_BURST_S))
     parts: list[p.Usage] = field(default_factory=list)
     parts_since: float = 0.0
 
@@ -244,11 +243,12 @@ class UsageBook:
         return tuple(waiting)
 
     @staticmethod
-    def _num_users(parts: list[p.Usage] | tuple[p.Usage, ...]) -> tuple[int, int, int]:
+    def _num_users(parts: list[p.Usage] | tuple[p.Usage, ...]) -> tuple[int, int, int, int]:
         return (
             sum(len(r.granted) for r in parts),
             sum(len(r.throttled) for r in parts),
             sum(len(r.would_throttle) for r in parts),
+            sum(len(r.borrowed_counts) for r in parts),
         )
 
     def _over_bounds(
@@ -267,6 +267,10 @@ class UsageBook:
             now, tokens
         ):
             return REFUSED_TOKENS
+        # Borrowed tokens are a part of the granted ones (paced with them): no more.
+        lent = sum(sum(part.borrowed_counts.values()) for part in parts)
+        if lent > p.MAX_ENGINE_TOKENS_PER_S * interval_s + 1:
+            return REFUSED_TOKENS
         for num, pace in ((steps, bounds.steps), (would, bounds.would_steps)):
             if num > p.MAX_ENGINE_STEPS_PER_S * interval_s + 1 or not pace.fits(now, num):
                 return REFUSED_STEPS
@@ -283,7 +287,7 @@ class UsageBook:
         new = {
             u
             for r in parts
-            for u in (*r.granted, *r.throttled, *r.would_throttle)
+            for u in (*r.granted, *r.throttled, *r.would_throttle, *r.borrowed_counts)
             if u not in users
         }
         if len(new) <= room:
@@ -303,6 +307,7 @@ class UsageBook:
                 r.part,
                 r.num_parts,
                 kept(r.would_throttle),
+                kept(r.borrowed_counts),
             )
             for r in parts
         )
@@ -312,6 +317,8 @@ class UsageBook:
         names = {*report.granted, *report.throttled}
         if report.would_throttle:
             names.update(report.would_throttle)
+        if report.borrowed:
+            names.update(report.borrowed_counts)
         for user in names:
             n = users.get(user, 0) + step
             if n > 0:
@@ -387,10 +394,13 @@ class EngineWindow:
 
 
 def combine(windows: Iterable[EngineWindow]) -> list[UserUsage]:
-    """Per user, summed over engines: each engine's rates as of its window's `at`, and
-    the fractions of the request-steps of all of them."""
+    """Per user, summed over engines: each engine's rates (granted and borrowed) as of
+    its window's `at`, and the fractions of the request-steps of all of them. A borrowed
+    rate is never shown above the user's whole rate, whatever engines claim."""
     granted_1: dict[str, float] = {}
     granted_10: dict[str, float] = {}
+    borrowed_1: dict[str, float] = {}
+    borrowed_10: dict[str, float] = {}
     # user -> (tokens granted, steps refused, steps a shadow limit would have refused)
     steps: dict[str, tuple[int, int, int]] = {}
     for window in windows:
@@ -398,6 +408,9 @@ def combine(windows: Iterable[EngineWindow]) -> list[UserUsage]:
         _add_rates(intervals, window.at - WINDOW_S, granted_10)
         # The short window: the engine's latest report, if it is recent.
         _add_rates(intervals[-1:], window.at - SHORT_REACH_S, granted_1)
+        if any(part.borrowed for i in intervals for part in i.parts):
+            _add_rates(intervals, window.at - WINDOW_S, borrowed_10, lent=True)
+            _add_rates(intervals[-1:], window.at - SHORT_REACH_S, borrowed_1, lent=True)
         for interval in intervals:
             for report in interval.parts:
                 for user, n in report.granted.items():
@@ -416,6 +429,8 @@ def combine(windows: Iterable[EngineWindow]) -> list[UserUsage]:
             tokens_per_s_10s=granted_10.get(user, 0.0),
             throttled_fraction=t / (g + t) if g + t else 0.0,
             would_throttle_fraction=would_throttle_fraction(g, t, w),
+            borrowed_per_s_1s=min(borrowed_1.get(user, 0.0), granted_1.get(user, 0.0)),
+            borrowed_per_s_10s=min(borrowed_10.get(user, 0.0), granted_10.get(user, 0.0)),
         )
         for user, (g, t, w) in sorted(steps.items())
     ]
@@ -435,10 +450,12 @@ def _add_rates(
     into: dict[str, float],
     *,
     only: str | None = None,
+    lent: bool = False,
 ) -> None:
-    """Add each user's (only `only`'s) granted tokens over the time one engine's
-    reports received since `since` cover: at least the time one engine needs for
-    their tokens, so no rate exceeds MAX_ENGINE_TOKENS_PER_S per engine."""
+    """Add each user's (only `only`'s) granted tokens (`lent`: borrowed tokens) over
+    the time one engine's reports received since `since` cover: at least the time one
+    engine needs for their granted tokens, so no rate exceeds MAX_ENGINE_TOKENS_PER_S per
+    engine."""
     recent = [i for i in intervals if i.received >= since]
     if not recent:
         return
@@ -448,7 +465,7 @@ def _add_rates(
     )
     for interval in recent:
         for report in interval.parts:
-            granted = report.granted
+            granted = report.borrowed_counts if lent else report.granted
             if only is not None:
                 granted = {only: granted[only]} if only in granted else {}
             for user, n in granted.items():

@@ -38,11 +38,22 @@ import time
 from collections.abc import Callable
 
 from control_plane.config.follower import LogFollower, StoredLog
-from control_plane.db import Database
+from control_plane.db import Commit, Database
 from control_plane.fencing import NotLeader, Term, fleet_work_token
 from control_plane.settings import DEFAULT_HISTORY_MAX_USERS_PER_MINUTE
 from control_plane.usage import service
 from control_plane.usage.book import Refusals
+from control_plane.usage.service import (
+    BORROWED,
+    LIMITED_S,
+    LIMITED_TOKENS,
+    NUM_SUMS,
+    REPORTED_S,
+    THROTTLED,
+    TOKENS,
+    WEIGHT,
+    WOULD,
+)
 from output_rate_core import protocol as p
 from output_rate_core.limits import EVERYONE, FLEET, LimitModel
 from output_rate_core.policy import Scope
@@ -70,10 +81,6 @@ REFUSAL_REASONS = (REFUSED_ENGINE_USERS, REFUSED_MINUTE_USERS)
 
 # What one user is held to, as the history weighs it: (rate or None, scope).
 Held = tuple[int | None, Scope]
-# Per (user, minute): tokens granted, request-steps throttled, request-steps a shadow
-# limit would have throttled, seconds covered, seconds under a limit, limit x seconds,
-# tokens granted under a limit.
-TOKENS, THROTTLED, WOULD, REPORTED_S, LIMITED_S, WEIGHT, LIMITED_TOKENS = range(7)
 
 
 class UsageRecorder:
@@ -95,7 +102,7 @@ class UsageRecorder:
         self._clock = clock
         self._flush_interval_s = flush_interval_s
         self._lock = threading.Lock()
-        # (user, minute start) -> the sums named by TOKENS ... LIMITED_TOKENS
+        # (user, minute start) -> the sums named by TOKENS ... BORROWED
         self._counts: dict[tuple[str, int], list[float]] = {}
         # The limit model (empty until first read: every user unlimited, fleet scope);
         # per user whose limit changed in the last COVER_HORIZON_S, when the recorder
@@ -132,15 +139,19 @@ class UsageRecorder:
                 self._minute, self._rows, self._rows_before = minute, set(), last
                 self._num_new = {}
                 self._forget_before(now)
-            users = {*report.granted, *report.throttled, *report.would_throttle}
+            lent = report.borrowed_counts
+            users = {*report.granted, *report.throttled, *report.would_throttle, *lent}
             admitted = self._admit(report.engine_id, users)
             counts = self._counts
-            for index, report_counts in enumerate(
-                (report.granted, report.throttled, report.would_throttle)
+            for index, report_counts in (
+                (TOKENS, report.granted),
+                (THROTTLED, report.throttled),
+                (WOULD, report.would_throttle),
+                (BORROWED, lent),
             ):
                 for user, n in report_counts.items():
                     if user in admitted:
-                        counts.setdefault((user, minute), [0] * 7)[index] += n
+                        counts.setdefault((user, minute), [0] * NUM_SUMS)[index] += n
             for user in admitted:
                 self._weigh(counts[user, minute], user, report, now)
 
@@ -277,7 +288,7 @@ class UsageRecorder:
             self._db.on_commit.remove(self._on_commit)
         self._flush_logged()
 
-    def _on_commit(self, version: int) -> None:
+    def _on_commit(self, commit: Commit) -> None:
         self._wake.set()
 
     def _run(self) -> None:

@@ -27,6 +27,8 @@ class UsageRow(NamedTuple):
     limited_seconds: float = 0.0
     limit_weight: float = 0.0
     limited_tokens: float = 0.0
+    # Of the tokens, those lent beyond the user's rate (borrowed up to its ceiling).
+    borrowed: int = 0
 
 
 def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
@@ -42,6 +44,7 @@ def add_usage(conn: Connection, rows: Sequence[UsageRow]) -> None:
             "tokens": usage_minutes.c.tokens + statement.excluded.tokens,
             "throttled": usage_minutes.c.throttled + statement.excluded.throttled,
             "would_throttle": usage_minutes.c.would_throttle + statement.excluded.would_throttle,
+            "borrowed": usage_minutes.c.borrowed + statement.excluded.borrowed,
             "limit_rate": statement.excluded.limit_rate,
             **{name: usage_minutes.c[name] + statement.excluded[name] for name in SUMMED_SECONDS},
         },
@@ -66,6 +69,7 @@ def usage_rows(
         usage_minutes.c.limit_rate,
         usage_minutes.c.would_throttle,
         *(usage_minutes.c[name] for name in SUMMED_SECONDS),
+        usage_minutes.c.borrowed,
     ).where(usage_minutes.c.minute >= since, usage_minutes.c.minute < until)
     if users is not None:
         query = query.where(usage_minutes.c.user.in_(list(users)))

@@ -9,7 +9,16 @@ class UsageOut(BaseModel):
     user: str
     output_tokens_per_second_1s: float
     output_tokens_per_second_10s: float
+    borrowed_output_tokens_per_second_1s: float = Field(
+        description="Of output_tokens_per_second_1s, the tokens lent beyond the user's limit "
+        "(borrowed idle capacity, up to its ceiling); the rest were within its limit"
+    )
+    borrowed_output_tokens_per_second_10s: float = Field(description="The same over the last 10 s")
     limit: int | None = Field(description="The user's effective limit; null: unlimited")
+    ceiling: int | None = Field(
+        description="The user's effective ceiling (tokens/s it may reach by borrowing); "
+        "null: no borrowing"
+    )
     throttled_fraction: float
     would_throttle_fraction: float = Field(
         description="Of the user's request-steps, the share a shadow limit would have "
@@ -25,6 +34,10 @@ class HistorySeries(BaseModel):
     user: str
     output_tokens_per_second: list[float | None] = Field(
         description="Per bucket: tokens/s while reported; null = nothing reported (a gap)"
+    )
+    borrowed_output_tokens_per_second: list[float | None] = Field(
+        description="Per bucket: of output_tokens_per_second, the tokens/s lent beyond the "
+        "user's limit (borrowed up to its ceiling); null = nothing reported"
     )
     throttled_fraction: list[float | None]
     would_throttle_fraction: list[float | None]
@@ -43,6 +56,7 @@ class HistorySeries(BaseModel):
     tokens: int
     throttled: int
     would_throttle: int
+    borrowed: int = Field(description="Of tokens, those borrowed beyond the limit")
 
 
 class FleetHistory(BaseModel):

@@ -30,22 +30,34 @@ DEFAULT_HISTORY_S = 3600
 MIN_COVERED_S = 1e-3
 
 
+# The sums recorded per (user, minute) (UsageRecorder in history.py adds them up,
+# record_usage writes them): tokens granted, request-steps throttled, request-steps a
+# shadow limit would have throttled, seconds covered, seconds under a limit, limit x
+# seconds, tokens granted under a limit, tokens borrowed beyond the limit (a part of the
+# granted).
+TOKENS, THROTTLED, WOULD, REPORTED_S, LIMITED_S, WEIGHT, LIMITED_TOKENS, BORROWED = range(8)
+NUM_SUMS = BORROWED + 1
+
+
 @service("scan")
 def live_usage(conn: Connection, *, source: UsageSource) -> UsageList:
-    """GET /usage rows: per user, tokens/s over the last 1 s and 10 s, the limit and
-    the fraction of request-steps that were throttled (and that a shadow limit would
-    have throttled)."""
+    """GET /usage rows: per user, tokens/s over the last 1 s and 10 s (and of them the
+    tokens borrowed beyond its rate), the limit and ceiling, and the fraction of
+    request-steps that were throttled (and that a shadow limit would have throttled)."""
     totals = source.totals()
     if not totals:
         return UsageList(items=[])
-    rates = config.effective_rates(conn, [u.user for u in totals])
+    held = config.effective_of(conn, [u.user for u in totals])
     return UsageList(
         items=[
             UsageOut(
                 user=u.user,
                 output_tokens_per_second_1s=round(u.tokens_per_s_1s, 3),
                 output_tokens_per_second_10s=round(u.tokens_per_s_10s, 3),
-                limit=rates[u.user],
+                borrowed_output_tokens_per_second_1s=round(u.borrowed_per_s_1s, 3),
+                borrowed_output_tokens_per_second_10s=round(u.borrowed_per_s_10s, 3),
+                limit=held[u.user].rate,
+                ceiling=held[u.user].ceiling,
                 throttled_fraction=round(u.throttled_fraction, 4),
                 would_throttle_fraction=round(u.would_throttle_fraction, 4),
             )
@@ -66,20 +78,32 @@ def tier_rates(conn: Connection, usage: list[UserUsage]) -> dict[str | None, flo
 
 @service("write")
 def record_usage(conn: Connection, *, counts: dict[tuple[str, int], tuple[float, ...]]) -> None:
-    """Add (user, minute start) -> (tokens granted, request-steps throttled, request-steps
-    a shadow limit would have throttled, seconds covered, seconds under a limit, limit x
-    seconds, tokens under a limit: control_plane/usage/history.py weighs them; 0 where
-    left out) to the per-minute rollups, each with the user's effective limit now."""
+    """Add (user, minute start) -> the sums named by TOKENS ... BORROWED (0 for those left
+    out at the end; control_plane/usage/history.py weighs them) to the per-minute rollups,
+    each with the user's effective limit now."""
     if not counts:
         return
     users = sorted({user for user, _ in counts})
     rates = config.effective_rates(conn, users)
     rows = []
     for (user, minute), values in sorted(counts.items()):
-        tokens, throttled, would, *seconds = values
+        tokens, throttled, would, reported, limited, weight, limited_tokens, borrowed = (
+            *values,
+            *(0.0,) * (NUM_SUMS - len(values)),
+        )
         rows.append(
             repo.UsageRow(
-                user, minute, int(tokens), int(throttled), rates[user], int(would), *seconds
+                user,
+                minute,
+                int(tokens),
+                int(throttled),
+                rates[user],
+                int(would),
+                reported,
+                limited,
+                weight,
+                limited_tokens,
+                int(borrowed),
             )
         )
     repo.add_usage(conn, rows)
@@ -189,6 +213,7 @@ class _Bucket:
     limited_seconds: float = 0
     limit_weight: float = 0
     limited_tokens: float = 0
+    borrowed: int = 0
 
     def add(self, row: repo.UsageRow) -> None:
         self.tokens += row.tokens
@@ -198,6 +223,7 @@ class _Bucket:
         self.limited_seconds += row.limited_seconds
         self.limit_weight += row.limit_weight
         self.limited_tokens += row.limited_tokens
+        self.borrowed += row.borrowed
 
 
 def _user_buckets(
@@ -213,6 +239,7 @@ def _user_buckets(
 
 def _series(user: str, buckets: dict[int, _Bucket], num_points: int) -> HistorySeries:
     rates: list[float | None] = [None] * num_points
+    borrowed_rates: list[float | None] = [None] * num_points
     throttled: list[float | None] = [None] * num_points
     would_fractions: list[float | None] = [None] * num_points
     limits_in_force: list[float | None] = [None] * num_points
@@ -223,6 +250,8 @@ def _series(user: str, buckets: dict[int, _Bucket], num_points: int) -> HistoryS
         # Tokens over the seconds the reports covered: the current minute is as long as
         # what has been written of it, not a dip.
         rates[index] = round(tokens / max(seconds, MIN_COVERED_S), 3)
+        # A part of the tokens (never shown above them, whatever engines claimed).
+        borrowed_rates[index] = round(min(b.borrowed, tokens) / max(seconds, MIN_COVERED_S), 3)
         throttled[index] = round(steps / (tokens + steps), 4) if tokens + steps else 0.0
         would = would_throttle_fraction(tokens, steps, b.would_throttle)
         would_fractions[index] = round(would, 4)
@@ -234,6 +263,7 @@ def _series(user: str, buckets: dict[int, _Bucket], num_points: int) -> HistoryS
     return HistorySeries(
         user=user,
         output_tokens_per_second=rates,
+        borrowed_output_tokens_per_second=borrowed_rates,
         throttled_fraction=throttled,
         would_throttle_fraction=would_fractions,
         limit=limits_in_force,
@@ -242,6 +272,7 @@ def _series(user: str, buckets: dict[int, _Bucket], num_points: int) -> HistoryS
         tokens=sum(b.tokens for b in buckets.values()),
         throttled=sum(b.throttled for b in buckets.values()),
         would_throttle=sum(b.would_throttle for b in buckets.values()),
+        borrowed=sum(min(b.borrowed, b.tokens) for b in buckets.values()),
     )
 
 

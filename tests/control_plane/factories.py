@@ -11,8 +11,10 @@ from sqlalchemy import Connection, create_engine, text
 
 from control_plane.app import create_app
 from control_plane.deps import FleetView, UsageSource
+from control_plane.fleet.allocator import FleetAllocator, ShareUpdate
 from control_plane.settings import Settings
 from harness.control_plane import ADMIN_TOKEN
+from output_rate_core.outage import DEFAULT_OUTAGE, OutagePolicy
 
 
 class FakeClock:
@@ -23,6 +25,28 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def make_allocator(
+    *engines: str, lease_s: float = 3.0, outage: OutagePolicy = DEFAULT_OUTAGE
+) -> tuple[FleetAllocator, FakeClock]:
+    """An allocator on a fake clock that has heard ``engines``, each of which has
+    acknowledged its first (full) table."""
+    clock = FakeClock(0.0)
+    alloc = FleetAllocator(clock=clock, lease_s=lease_s, outage=outage)
+    for engine_id in engines:
+        alloc.engine_heard(engine_id)
+    updates = alloc.step()
+    assert {e: u.full for e, u in updates.items()} == dict.fromkeys(engines, True)
+    ack(alloc, updates)
+    return alloc, clock
+
+
+def ack(alloc: FleetAllocator, updates: dict[str, ShareUpdate], *only: str) -> None:
+    """The engines sent ``updates`` (only those named, if any) acknowledge them."""
+    for engine_id, update in updates.items():
+        if not only or engine_id in only:
+            alloc.acked(engine_id, update.seq)
 
 
 def make_settings(url: str, **overrides: object) -> Settings:

@@ -27,7 +27,9 @@ def test_unknown_user_gets_the_default(client: TestClient) -> None:
         "scope": None,
         "effective_scope": "fleet",
         "enforcement": None,
+        "ceiling_output_tokens_per_second": None,
         "effective_enforcement": "enforce",
+        "effective_ceiling_output_tokens_per_second": None,
         "shares": [],
         "version": 0,
         "received_output_tokens_per_second": None,
@@ -68,6 +70,7 @@ def test_every_write_bumps_one_version_and_same_put_twice_writes_once(client: Te
         "output_tokens_per_second": 20,
         "scope": None,
         "enforcement": None,
+        "ceiling_output_tokens_per_second": None,
     }
 
 
@@ -86,6 +89,7 @@ def test_tier_rate_change_is_one_version_for_all_its_users(client: TestClient) -
         "output_tokens_per_second": 40,
         "scope": None,
         "enforcement": None,
+        "ceiling_output_tokens_per_second": None,
         "description": "free",
         "num_users": 5,
         "version": before + 1,

@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
+from control_plane.db import Commit
 from control_plane.errors import ConfigurationError
 from control_plane.settings import Settings
 from harness.control_plane import ADMIN_TOKEN
@@ -30,9 +31,9 @@ def test_insecure_no_auth_lets_anyone_write(db_url: str, caplog: pytest.LogCaptu
 
 def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
     app = create_app(make_settings(db_url))
-    seen: list[int] = []
+    seen: list[Commit] = []
 
-    def broken(_version: int) -> None:
+    def broken(_commit: Commit) -> None:
         raise RuntimeError("a failing hook must not fail the write")
 
     app.state.control_plane.db.on_commit.extend([seen.append, broken])
@@ -43,7 +44,7 @@ def test_on_commit_hooks_get_each_new_version_once(db_url: str) -> None:
         assert client.put("/default-limit", json={"output_tokens_per_second": 9}).status_code == 200
         assert client.put("/limits/b", json={"tier": "missing"}).status_code == 422
         assert client.delete("/limits/nobody").status_code == 204
-        assert seen == [1, 2]
+        assert [commit.version for commit in seen] == [1, 2]
     app.state.control_plane.db.dispose()
 
 

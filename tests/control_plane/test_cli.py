@@ -53,7 +53,7 @@ def test_summary_says_the_connection_bounds_and_the_open_file_limit() -> None:
     protocol = guarded_protocol(http_limits(settings, 1024))
     text = connection_summary(settings, protocol, OpenFileLimit(1024, 1024))
     assert "at most 672 connections (then 503, over 768 closed unread)" in text
-    assert "head 10 s, idle 10 s, keep-alive 5 s (httptools)" in text
+    assert "head 10 s and 65536 bytes, idle 10 s, keep-alive 5 s (httptools)" in text
     assert text.endswith("files:    open-file limit 1024")
     raised = connection_summary(settings, protocol, OpenFileLimit(524288, 1024))
     assert raised.endswith("open-file limit 524288 (raised from 1024)")

@@ -8,7 +8,7 @@ import threading
 
 from sqlalchemy import Connection
 
-from control_plane.db import ConfigChange, Database, make_engine
+from control_plane.db import Commit, ConfigChange, Database, make_engine
 from control_plane.limits import service as limits
 from tests.control_plane.factories import writers_lock_held
 
@@ -16,14 +16,12 @@ from tests.control_plane.factories import writers_lock_held
 def _put(conn: Connection, *, user: str, rate: int) -> ConfigChange[tuple[str, int]]:
     """put_limit, and the thread it ran on."""
     change = limits.put_limit(conn, actor="test", user=user, rate=rate, tier=None)
-    return ConfigChange(
-        (threading.current_thread().name, change.result.version), change.new_version
-    )
+    return ConfigChange((threading.current_thread().name, change.result.version), change.commit)
 
 
 def test_small_write_runs_on_the_loop_when_the_lock_is_free(db_url: str) -> None:
     db = Database(make_engine(db_url))
-    seen: list[int] = []
+    seen: list[Commit] = []
     db.on_commit.append(seen.append)
 
     async def main() -> tuple[str, int]:
@@ -34,7 +32,7 @@ def test_small_write_runs_on_the_loop_when_the_lock_is_free(db_url: str) -> None
     # writer thread.
     expected = "MainThread" if db_url.startswith("sqlite") else "output-rate-writer"
     assert thread.startswith(expected)
-    assert seen == [version]
+    assert [commit.version for commit in seen] == [version]
     db.dispose()
 
 
@@ -42,7 +40,7 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
     db_url: str,
 ) -> None:
     db = Database(make_engine(db_url))
-    seen: list[int] = []
+    seen: list[Commit] = []
     db.on_commit.append(seen.append)
 
     async def main() -> tuple[str, int]:
@@ -58,7 +56,7 @@ def test_write_queues_on_the_writer_thread_while_another_connection_holds_the_lo
 
     thread, version = asyncio.run(main())
     assert thread.startswith("output-rate-writer")
-    assert seen == [version - 1, version]
+    assert [commit.version for commit in seen] == [version - 1, version]
     # The no-wait attempt left the pooled connections with the normal busy timeout.
     if db_url.startswith("sqlite"):
         with db.engine.connect() as conn:

@@ -1,11 +1,10 @@
-"""A real `output-rate serve` against silent, slow and flooding clients
-(control_plane/http_server.py): the header and idle timeouts on both of uvicorn's HTTP/1.1
-parsers, the connection bounds derived from a lowered open-file limit, and writes that
-go on through it all."""
+"""A real `output-rate serve` against silent, slow, oversized and flooding clients
+(control_plane/http_server.py): the header size bound and the header and idle timeouts on
+both of uvicorn's HTTP/1.1 parsers, the connection bounds derived from a lowered
+open-file limit, and writes that go on through it all."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import resource
 import selectors
@@ -20,22 +19,22 @@ import httpx
 import pytest
 
 from control_plane.errors import ConfigurationError
-from control_plane.http_server import (
-    DEFAULT_MAX_CONNECTIONS,
-    SHED_HEADER_TIMEOUT_S,
-    http_limits,
-)
+from control_plane.http_server import DEFAULT_MAX_CONNECTIONS, http_limits
 from control_plane.settings import Settings
 from harness.control_plane import ADMIN_TOKEN, Served, fresh_database, serve
+from harness.http_clients import send_head_until_refused
+from output_rate_core.http_guard import SHED_HEADER_TIMEOUT_S
 
 HEADER_S = 2.0
 IDLE_S = 2.0
+MAX_HEADER_BYTES = 16 * 1024
 # Closed within the timeout and this, on two shared cores.
 SLACK_S = 3.0
 TIMEOUTS = {
     "OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S": str(HEADER_S),
     "OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S": str(IDLE_S),
     "OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S": "1",
+    "OUTPUT_RATE_HTTP_MAX_HEADER_BYTES": str(MAX_HEADER_BYTES),
 }
 AUTH = f"Authorization: Bearer {ADMIN_TOKEN}\r\n".encode()
 # uvicorn's parser -> how the server is started: as installed (httptools, which this
@@ -180,6 +179,38 @@ def test_silent_and_slow_clients_are_closed_within_the_timeouts(served: Served) 
         # The parts of bodies that came were never applied.
         for user in ("stalled", "stalled-chunked"):
             assert c.get(f"/limits/{user}").json()["source"] == "default"
+
+
+def test_an_oversized_request_head_is_refused_before_it_is_read(served: Served) -> None:
+    # Before the bound, the server read a 93 MiB head whole within its head timeout.
+    total = 64 * 2**20
+    with _connect(served) as sock:
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + AUTH + b"X-Big: "
+        num_sent, response = send_head_until_refused(sock, head, total)
+    print(f"{served.log.name}: an endless head refused after {num_sent} bytes sent")
+    # The socket buffers on both sides hold some MiB; the server read no more than the bound.
+    assert num_sent < total / 4, num_sent
+    # The answer comes unless the close (with the head's rest unread) reset it away first.
+    if response:
+        assert _status(response) == 431, response
+        assert str(_body(response)["detail"]).startswith("request head: over 16384 bytes")
+    # A head just under the bound, sent at once with its body, is served.
+    body = b'{"output_tokens_per_second": 9}'
+    padding = b"X-Pad: " + b"p" * (MAX_HEADER_BYTES - 400) + b"\r\n"
+    put = (
+        b"PUT /limits/big-head HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + padding
+        + b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+    assert len(put) <= MAX_HEADER_BYTES
+    with _connect(served) as sock:
+        response = _request(sock, put, body)
+        assert _status(response) == 200, response
+        # The bound is per request: the next head on the connection counts from zero.
+        assert _status(_request(sock, put, body)) == 200
 
 
 def _request(sock: socket.socket, head: bytes, body: bytes = b"") -> bytes:
@@ -415,37 +446,3 @@ def test_serve_raises_its_open_file_limit_and_says_so(tmp_path: Path) -> None:
     if hard > 1000:
         assert f"open-file limit {hard} (raised from 1000)" in log, log
     assert f"{hard}" in next(line for line in limits.splitlines() if "open files" in line)
-
-
-class RequestResponseCycle:
-    """A request cycle of a uvicorn that no longer tracks whether the body has come."""
-
-    def __init__(self) -> None:
-        self.response_complete = False
-        self.response_started = False
-        self.waiting_for_100_continue = False
-
-
-class OtherProtocol(asyncio.Protocol):
-    """An HTTP protocol without uvicorn's response hook."""
-
-    def __init__(self) -> None:
-        self.app = self.cycle = self.flow = self.loop = None
-        self.connections: set[object] = set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-
-def test_the_guard_checks_what_it_uses_of_uvicorn() -> None:
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    from control_plane.http_server import _missing_members
-
-    assert _missing_members(H11Protocol) == []
-    assert _missing_members(HttpToolsProtocol) == []
-    assert _missing_members(OtherProtocol) == [
-        "protocol methods.on_response_complete",
-        "RequestResponseCycle.more_body",
-    ]

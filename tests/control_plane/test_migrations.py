@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 from alembic import command
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from control_plane.cli import alembic_config, downgrade, upgrade
@@ -35,6 +36,18 @@ def test_upgrade_downgrade_upgrade_and_no_drift(db_url: str) -> None:
 
 
 SCOPE_TABLES = ("user_limits", "tiers", "config_state")
+
+
+def column_names(engine: Engine, tables: Iterable[str]) -> list[str]:
+    """Every column name of these tables (as often as it occurs)."""
+    return [c["name"] for t in tables for c in inspect(engine).get_columns(t)]
+
+
+def assert_refused(engine: Engine, *statements: str) -> None:
+    """Each statement breaks a constraint: refused, nothing written."""
+    for statement in statements:
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(text(statement))
 
 
 def test_0003_adds_scopes_to_existing_rows_and_its_downgrade_keeps_them(db_url: str) -> None:
@@ -67,16 +80,14 @@ def test_0003_adds_scopes_to_existing_rows_and_its_downgrade_keeps_them(db_url: 
             conn.execute(text("UPDATE user_limits SET scope = 'engine'"))
             conn.execute(text("UPDATE tiers SET scope = 'fleet'"))
             conn.execute(text("UPDATE config_state SET default_scope = 'engine'"))
-        for statement in (
+        assert_refused(
+            engine,
             "UPDATE user_limits SET scope = 'global'",
             "UPDATE tiers SET scope = 'Fleet'",
             "UPDATE config_state SET default_scope = ''",
-        ):
-            with pytest.raises(IntegrityError), engine.begin() as conn:
-                conn.execute(text(statement))
+        )
         downgrade(db_url, "0002")
-        columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in SCOPE_TABLES}
-        assert not any("scope" in name for names in columns.values() for name in names)
+        assert not any("scope" in name for name in column_names(engine, SCOPE_TABLES))
         with engine.begin() as conn:
             assert tuple(conn.execute(text("SELECT tier, rate FROM user_limits")).one()) == (
                 "gold",
@@ -198,20 +209,16 @@ def test_0007_adds_enforcement_and_would_throttles_to_existing_rows_both_ways(
             conn.execute(text("UPDATE user_limits SET enforcement = 'shadow'"))
             conn.execute(text("UPDATE tiers SET enforcement = 'enforce'"))
             conn.execute(text("UPDATE config_state SET default_enforcement = 'shadow'"))
-        for statement in (
+        assert_refused(
+            engine,
             "UPDATE user_limits SET enforcement = 'dry'",
             "UPDATE tiers SET enforcement = 'Shadow'",
             "UPDATE config_state SET default_enforcement = ''",
-        ):
-            with pytest.raises(IntegrityError), engine.begin() as conn:
-                conn.execute(text(statement))
+        )
         downgrade(db_url, "0006")
-        tables = (*SCOPE_TABLES, "usage_minutes")
-        columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in tables}
         assert not any(
             "enforcement" in name or name == "would_throttle"
-            for names in columns.values()
-            for name in names
+            for name in column_names(engine, (*SCOPE_TABLES, "usage_minutes"))
         )
         with engine.begin() as conn:
             row = conn.execute(text("SELECT tier, rate, scope FROM user_limits")).one()
@@ -220,6 +227,120 @@ def test_0007_adds_enforcement_and_would_throttles_to_existing_rows_both_ways(
             # The constraints the recreated tables had before 0007 are still there.
             with pytest.raises(IntegrityError), conn.begin_nested():
                 conn.execute(text("UPDATE tiers SET scope = 'global'"))
+        upgrade(db_url)
+    finally:
+        engine.dispose()
+
+
+def test_0011_adds_vllm_versions_to_engine_rows_both_ways(db_url: str) -> None:
+    downgrade(db_url, "0010")
+    engine = create_engine(db_url)
+    try:
+        assert "vllm_version" not in {c["name"] for c in inspect(engine).get_columns("engines")}
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO engines (engine_id, model, applied_version, connected,"
+                    " first_seen, last_seen, home_replica)"
+                    " VALUES ('e1', 'm', 4, true, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 'a')"
+                )
+            )
+        upgrade(db_url)
+        with engine.begin() as conn:
+            row = conn.execute(
+                text("SELECT applied_version, home_replica, vllm_version FROM engines")
+            )
+            # Not known until the engine says HELLO again.
+            assert tuple(row.one()) == (4, "a", None)
+            conn.execute(text("UPDATE engines SET vllm_version = '0.34.0'"))
+            assert conn.execute(text("SELECT vllm_version FROM engines")).scalar() == "0.34.0"
+        downgrade(db_url, "0010")
+        assert "vllm_version" not in {c["name"] for c in inspect(engine).get_columns("engines")}
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT engine_id, applied_version, home_replica FROM engines"))
+            assert tuple(row.one()) == ("e1", 4, "a")
+        upgrade(db_url)
+    finally:
+        engine.dispose()
+
+
+def test_0012_adds_ceilings_to_existing_rows_both_ways(db_url: str) -> None:
+    downgrade(db_url, "0011")
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tiers (name, rate, scope, enforcement, description, version,"
+                    " num_users, updated_at)"
+                    " VALUES ('gold', 50, 'engine', 'shadow', '', 1, 1, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    'INSERT INTO user_limits ("user", tier, rate, version, updated_at)'
+                    " VALUES ('alice', 'gold', 7, 2, CURRENT_TIMESTAMP)"
+                )
+            )
+        upgrade(db_url)
+        with engine.begin() as conn:
+            user = conn.execute(text("SELECT tier, rate, ceiling FROM user_limits")).one()
+            tier = conn.execute(text("SELECT rate, enforcement, ceiling FROM tiers")).one()
+            default = conn.execute(text("SELECT default_ceiling FROM config_state")).one()
+            # Nobody borrows until a ceiling is set.
+            assert (tuple(user), tuple(tier), tuple(default)) == (
+                ("gold", 7, None),
+                (50, "shadow", None),
+                (None,),
+            )
+            conn.execute(text("UPDATE user_limits SET ceiling = 20"))
+            conn.execute(text("UPDATE tiers SET ceiling = 1000000"))
+            conn.execute(text("UPDATE config_state SET default_ceiling = 1"))
+        assert_refused(
+            engine,
+            "UPDATE user_limits SET ceiling = 0",
+            "UPDATE tiers SET ceiling = 1000001",
+            "UPDATE config_state SET default_ceiling = -5",
+        )
+        downgrade(db_url, "0011")
+        assert not any("ceiling" in name for name in column_names(engine, SCOPE_TABLES))
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT tier, rate FROM user_limits")).one()
+            assert tuple(row) == ("gold", 7)
+            tier = conn.execute(text("SELECT scope, enforcement FROM tiers")).one()
+            assert tuple(tier) == ("engine", "shadow")
+            # The constraints the recreated tables had before 0012 are still there.
+            with pytest.raises(IntegrityError), conn.begin_nested():
+                conn.execute(text("UPDATE tiers SET enforcement = 'dry'"))
+        upgrade(db_url)
+    finally:
+        engine.dispose()
+
+
+def test_0013_adds_borrowed_tokens_to_usage_rows_both_ways(db_url: str) -> None:
+    downgrade(db_url, "0012")
+    engine = create_engine(db_url)
+    try:
+        assert "borrowed" not in column_names(engine, ["usage_minutes"])
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    'INSERT INTO usage_minutes ("user", minute, tokens, throttled, limit_rate)'
+                    " VALUES ('alice', 60, 900, 3, 20)"
+                )
+            )
+        upgrade(db_url)
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT tokens, throttled, borrowed FROM usage_minutes"))
+            # Nothing was reported as borrowed before.
+            assert tuple(row.one()) == (900, 3, 0)
+            conn.execute(text("UPDATE usage_minutes SET borrowed = 300"))
+            assert conn.execute(text("SELECT borrowed FROM usage_minutes")).scalar() == 300
+        downgrade(db_url, "0012")
+        assert "borrowed" not in column_names(engine, ["usage_minutes"])
+        with engine.begin() as conn:
+            row = conn.execute(text("SELECT tokens, throttled, limit_rate FROM usage_minutes"))
+            assert tuple(row.one()) == (900, 3, 20)
         upgrade(db_url)
     finally:
         engine.dispose()

@@ -36,6 +36,7 @@ def test_tier_description_alone_keeps_the_rate(client: TestClient) -> None:
         "output_tokens_per_second": 100,
         "scope": None,
         "enforcement": None,
+        "ceiling_output_tokens_per_second": None,
         "description": "paid",
     }
 
@@ -168,6 +169,25 @@ def test_users_by_substring_and_sorted(client: TestClient) -> None:
     assert response.status_code == 422 and response.json()["field"] == "after"
     assert client.get("/limits", params={"sort": "rate"}).json()["field"] == "sort"
     assert users(contains="TEAM") == ["x-team_1", "y-team%1"]
+
+
+def test_a_substring_is_found_in_any_case_of_any_letter(client: TestClient) -> None:
+    """Both databases fold every letter, not only ASCII ones (SQLite's own lower() and
+    LIKE fold ASCII only)."""
+    for user in ("müller", "Ærø-ÉTÉ", "ascii-Mixed", "muller"):
+        client.put(f"/limits/{user}", json={"output_tokens_per_second": 5})
+
+    def users(contains: str) -> list[str]:
+        return [
+            i["user"] for i in client.get("/limits", params={"contains": contains}).json()["items"]
+        ]
+
+    assert users("MÜLLER") == ["müller"]
+    assert users("ü") == ["müller"]
+    assert users("ærø-été") == ["Ærø-ÉTÉ"]
+    assert users("ÆRØ") == ["Ærø-ÉTÉ"]
+    assert users("MIXED") == ["ascii-Mixed"]
+    assert users("uller") == ["muller"]  # ü is not u
 
 
 def test_audit_filtered_by_target(client: TestClient) -> None:

@@ -433,6 +433,34 @@ def previews(s: Script) -> None:
     s.get("/default-limit")  # the version the previews left as it was
 
 
+def versioned_writes(s: Script) -> None:
+    """If-Match on the writes of a user, a tier and the default: the ETag each GET
+    answers, stale (412, nothing written), fresh (written, the new ETag), `*`, a user
+    nobody configured ("0"), weak and malformed tags, and a preview's check."""
+    bob = s.get("/limits/bob").headers["etag"]
+    s.patch("/limits/bob", {"output_tokens_per_second": 2}, headers={"If-Match": '"1"'})
+    s.put("/limits/bob?dry_run=true", {"tier": "free"}, headers={"If-Match": '"1"'})
+    s.delete("/limits/bob", headers={"If-Match": '"1", W/' + bob})
+    s.patch("/limits/bob", {"output_tokens_per_second": 2}, headers={"If-Match": f'"1", {bob}'})
+    s.put("/limits/bob", {"tier": "free"}, headers={"If-Match": bob})  # bob changed since
+    s.get("/limits/never-seen")
+    s.put("/limits/never-seen", {"tier": "free"}, headers={"If-Match": '"0"'})
+    s.put("/limits/never-seen", {"tier": "free"}, headers={"If-Match": '"0"'})
+    s.patch("/limits/unseen-2", {"tier": "free"}, headers={"If-Match": "*"})
+    tier = s.get("/tiers/free").headers["etag"]
+    s.patch("/tiers/free", {"description": "Free"}, headers={"If-Match": '"999"'})
+    s.patch("/tiers/free", {"description": "Free"}, headers={"If-Match": tier})
+    s.put("/tiers/not-yet", {"output_tokens_per_second": 3}, headers={"If-Match": "*"})
+    s.delete("/tiers/idle", headers={"If-Match": '"1"'})
+    s.patch("/tiers/missing", {"description": "x"}, headers={"If-Match": '"1"'})  # 404 first
+    default = s.get("/default-limit").headers["etag"]
+    s.put("/default-limit", {"output_tokens_per_second": 60}, headers={"If-Match": '"2"'})
+    s.put("/default-limit", {"output_tokens_per_second": 60}, headers={"If-Match": default})
+    s.put("/default-limit", {"output_tokens_per_second": 50}, headers={"If-Match": default})
+    for malformed in ("5", '"5', '"5",', 'W/"5" x'):
+        s.put("/default-limit", {"output_tokens_per_second": 50}, headers={"If-Match": malformed})
+
+
 def api_keys(s: Script, viewer: str) -> None:
     s.get("/users/alice/keys")
     for number, body in enumerate((NO_BODY, {}), start=1):
@@ -462,6 +490,7 @@ def engines(s: Script, db: Database, viewer: str) -> None:
     row = {
         "engine_id": "engine-a:8000",
         "model": "tiny",
+        "vllm_version": "0.34.0",
         "applied_version": 3,
         "connected": False,
         "first_seen": seen - timedelta(minutes=1),
@@ -488,6 +517,8 @@ def live_usage(s: Script, book: UsageBook, viewer: str) -> None:
                 {"alice": 40, "carol": 500, "unknown": 7},
                 {"alice": 12},
                 would_throttle={"carol": 3},
+                # Only one engine lends: GET /usage shows the sum over engines.
+                borrowed={"carol": 100} if engine == "engine-a" else {},
             )
         )
     s.get("/usage")
@@ -517,7 +548,7 @@ def usage_history(s: Script, db: Database) -> None:
     ] + [
         UsageRow("alice", minute - 600, 3000, 40, 20, 0, 60.0, 60.0, 1200.0, 3000.0),
         UsageRow("alice", minute - 540, 1200, 0, 20, 0, 30.0, 30.0, 600.0, 1200.0),
-        UsageRow("carol", minute - 120, 9000, 0, 300, 25, 60.0, 60.0, 18000.0, 9000.0),
+        UsageRow("carol", minute - 120, 9000, 0, 300, 25, 60.0, 60.0, 18000.0, 9000.0, 3000),
         UsageRow("gus", minute - 60, 120, 0, None, 0, 60.0, 0.0, 0.0, 0.0),
     ]
     db.write_now(add_usage, rows)
@@ -588,6 +619,7 @@ def run_script(client: TestClient, book: UsageBook) -> list[dict[str, Any]]:
     api_keys(s, viewer)
     engines(s, db, viewer)
     live_usage(s, book, viewer)
+    versioned_writes(s)
     audit(s, viewer)
     metrics(s, viewer)  # last: its request counts cover the whole script
     return s.records

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,9 @@ def _bad_settings() -> list[tuple[dict[str, str], str]]:
     curve = {"OUTPUT_RATE_ZMQ_SECRET_KEY": server_secret}
     keys = "OUTPUT_RATE_ZMQ_CLIENT_KEYS"
     history = "OUTPUT_RATE_USAGE_HISTORY_MAX_USERS_PER_MINUTE"
+    policy = "OUTPUT_RATE_OUTAGE_POLICY"
+    keep_s = "OUTPUT_RATE_OUTAGE_KEEP_S"
+    fraction = "OUTPUT_RATE_OUTAGE_FRACTION"
     return [
         ({**curve, keys: f"'{engine_public}'"}, keys),
         ({**curve, keys: f"{engine_public} {other_public}"}, keys),
@@ -73,11 +77,35 @@ def _bad_settings() -> list[tuple[dict[str, str], str]]:
         *(({history: value}, history) for value in ("0", "100001", "lots", "2.5")),
         ({"OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S": "0"}, "OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S"),
         ({"OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S": "nan"}, "OUTPUT_RATE_HTTP_HEADER_TIMEOUT_S"),
+        ({"OUTPUT_RATE_HTTP_MAX_HEADER_BYTES": "1023"}, "OUTPUT_RATE_HTTP_MAX_HEADER_BYTES"),
+        ({"OUTPUT_RATE_HTTP_MAX_HEADER_BYTES": "64k"}, "OUTPUT_RATE_HTTP_MAX_HEADER_BYTES"),
         ({"OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S": "-1"}, "OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S"),
         ({"OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S": "301"}, "OUTPUT_RATE_HTTP_IDLE_TIMEOUT_S"),
         ({"OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S": "0"}, "OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S"),
         ({"OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S": "1.5"}, "OUTPUT_RATE_HTTP_KEEP_ALIVE_TIMEOUT_S"),
         ({"OUTPUT_RATE_HTTP_MAX_CONNECTIONS": "0"}, "OUTPUT_RATE_HTTP_MAX_CONNECTIONS"),
+        # The timeouts against each other: gone_after under 2 x lease + 1 s.
+        ({"OUTPUT_RATE_SHARE_GONE_AFTER_S": "10"}, "OUTPUT_RATE_SHARE_GONE_AFTER_S"),
+        (
+            {"OUTPUT_RATE_SHARE_LEASE_S": "5", "OUTPUT_RATE_SHARE_GONE_AFTER_S": "10.9"},
+            "OUTPUT_RATE_SHARE_GONE_AFTER_S",
+        ),
+        # The outage policy: a known one, with its own setting and no other's.
+        ({policy: "drop"}, policy),
+        ({policy: "keep"}, policy),  # no keep time
+        ({policy: "fraction"}, policy),  # no fraction: the operator picks the trade
+        ({keep_s: "30"}, keep_s),  # set, but the policy is "serving"
+        ({fraction: "0.25"}, fraction),
+        ({policy: "fraction", fraction: "0.25", keep_s: "30"}, keep_s),
+        ({policy: "keep", keep_s: "0.5"}, keep_s),
+        ({policy: "keep", keep_s: "3601"}, keep_s),
+        ({policy: "keep", keep_s: "nan"}, keep_s),
+        *(({policy: "fraction", fraction: v}, fraction) for v in ("0", "1.5", "nan", "a quarter")),
+        # Kept shares grow the least gone_after: 2 x 10 + 30 + 1 = 51 s.
+        (
+            {policy: "keep", keep_s: "30", "OUTPUT_RATE_SHARE_GONE_AFTER_S": "50"},
+            "OUTPUT_RATE_SHARE_GONE_AFTER_S",
+        ),
         # More than any open-file limit leaves: refused at start, before the database.
         ({"OUTPUT_RATE_HTTP_MAX_CONNECTIONS": str(10**9)}, "OUTPUT_RATE_HTTP_MAX_CONNECTIONS"),
     ]
@@ -110,6 +138,10 @@ def test_cli_port_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_good_curve_settings_and_a_short_token_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # The warning's level, whatever an earlier test left on the root logger
+    # (tests/engine_ext/test_identity_server.py, which builds vLLM's app in-process, leaves
+    # it at ERROR).
+    caplog.set_level(logging.WARNING, logger="control_plane")
     server_public, server_secret = _keys()
     one, _ = _keys()
     two, _ = _keys()
@@ -145,3 +177,37 @@ def test_a_bad_setting_exits_the_real_process_with_status_2(tmp_path: Path) -> N
     assert run.returncode == 2
     assert "error: OUTPUT_RATE_ENGINE_TIMEOUT_S" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_timeouts_at_their_least_pass_and_a_lease_under_the_failover_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from control_plane.fleet.allocator import min_gone_after_s
+
+    at_least = Settings(
+        share_lease_s=6, share_gone_after_s=min_gone_after_s(6), engine_timeout_s=13
+    )
+    assert at_least.share_gone_after_s == 13.0
+    assert "OUTPUT_RATE_SHARE_LEASE_S" not in caplog.text
+    Settings(share_lease_s=2)
+    assert "OUTPUT_RATE_SHARE_LEASE_S=2.0 is under" in caplog.text
+    # An engine timeout over gone_after (3 x the lease when unset) only counts dropped
+    # engines a while longer: said, not refused.
+    Settings(engine_timeout_s=31)
+    assert "OUTPUT_RATE_ENGINE_TIMEOUT_S=31.0 is over OUTPUT_RATE_SHARE_GONE_AFTER_S" in caplog.text
+
+
+def test_the_outage_policy_and_its_setting_reach_the_allocator() -> None:
+    from control_plane.app import _new_fleet
+    from control_plane.fleet.allocator import min_gone_after_s
+    from output_rate_core.outage import OutagePolicy
+
+    assert Settings().outage == OutagePolicy("serving")
+    keep = Settings(outage_policy="keep", outage_keep_s=30)
+    assert keep.outage == OutagePolicy("keep", keep_s=30.0)
+    # Unset, gone_after is 3 x the lease but at least 2 x lease + keep + 1 s.
+    assert _new_fleet(keep)._allocator._gone_after_s == min_gone_after_s(10.0, 30.0) == 51.0
+    Settings(outage_policy="keep", outage_keep_s=30, share_gone_after_s=51)
+    fraction = Settings(outage_policy="fraction", outage_fraction=0.25)
+    assert fraction.outage == OutagePolicy("fraction", fraction=0.25)
+    assert _new_fleet(fraction)._allocator.outage == fraction.outage

@@ -16,12 +16,25 @@ import pytest
 from harness.servers import VllmServer
 
 # One engine per mode for the engine e2e tests; every user and limit they need is here.
-ENGINE_LIMITS = {"user-a": 20, "user-a1": 20, "user-a4": 20, "user-b": 100, "hog": 10}
+ENGINE_LIMITS = {
+    "user-a": 20,
+    "user-a1": 20,
+    "user-a4": 20,
+    "user-b": 100,
+    "hog": 10,
+    "borrower": 20,
+    "borrower-capped": 20,
+}
+# Borrowing (docs/scheduler.md): up to these beyond the rate, "borrower" above what the
+# engine can give, "borrower-capped" at 5x its rate.
+ENGINE_CEILINGS = {"borrower": 2000, "borrower-capped": 100}
 MODES = ("sync", "async")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 LIMITED_FLAGS = (
     "--user-output-tokens-per-second",
     json.dumps(ENGINE_LIMITS),
+    "--user-output-tokens-per-second-ceiling",
+    json.dumps(ENGINE_CEILINGS),
     "--max-num-seqs",
     "16",
     "--max-num-active-seqs",

@@ -271,10 +271,6 @@ def test_beam_search_is_rejected_with_400(limited_server: VllmServer, endpoint: 
 
 REJECTED = {
     "--scheduler-cls": ("--scheduler-cls", "some.custom.Scheduler"),
-    "--speculative-config": (
-        "--speculative-config",
-        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
-    ),
     "--kv-offloading-size": ("--kv-offloading-size", "1"),
     "--user-output-tokens-per-second": ("--user-output-tokens-per-second", '{"user-a": 0}'),
 }

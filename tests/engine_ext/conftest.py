@@ -11,6 +11,9 @@ provides; these tests run no model, so they tell it Triton is there
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+
 import pytest
 
 from harness.vllm_release import check_expected_vllm, header, imported_vllm
@@ -26,3 +29,17 @@ def pytest_configure(config: pytest.Config) -> None:
         import vllm.triton_utils
 
         vllm.triton_utils.HAS_TRITON = True
+
+
+# The root logger's level when these tests began.
+_ROOT_LEVEL = logging.getLogger().level
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_level_kept() -> Iterator[None]:
+    """vLLM's API app imports a SageMaker package (model_hosting_container_standards) that
+    sets the root logger to ERROR when first imported (in a module-scoped fixture, before
+    any test's own fixtures); the level is put back after each test, or a later test in this
+    process (pytest-xdist runs files of other folders in it) captures no warning."""
+    yield
+    logging.getLogger().setLevel(_ROOT_LEVEL)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,12 @@ from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 
 from engine_ext import vllm_compat
-from engine_ext.engine_core import idle_wait_after_step, install_wake
+from engine_ext.engine_core import (
+    LEAVING_GRACE_S,
+    idle_wait_after_step,
+    install_wake,
+    leave_on_signal,
+)
 from engine_ext.plugin import register
 from harness.scheduler import make_request, make_scheduler, runner_output
 
@@ -177,3 +183,54 @@ def test_upstream_scheduler_is_left_alone() -> None:
     idle_wait_after_step(engine, model_executed=False)
     assert engine.input_queue.get_nowait() == wakeup  # not waited on, not consumed
     assert engine._process_engine_step() is True
+
+
+def test_a_stopped_engine_core_gets_the_time_to_leave_only_when_upstream_gives_none() -> None:
+    import vllm.v1.engine.utils as engine_utils
+
+    vllm_compat.apply_patches(vllm_compat.SHUTDOWN_PATCHES)
+    assert vllm_compat.apply_patches(vllm_compat.SHUTDOWN_PATCHES) == []  # once
+    timeout = engine_utils.get_engine_process_shutdown_timeout
+    assert getattr(timeout, vllm_compat.PATCHED_MARK, False)
+    # --shutdown-timeout 0 (abort, the default): upstream kills the core at once.
+    assert timeout.__wrapped__(0, 0) == 0  # type: ignore[attr-defined]
+    assert timeout(0, 0) == LEAVING_GRACE_S
+    # A drain deadline, or an outer manager's remaining budget, is upstream's to keep.
+    assert timeout(30, 30) == 30
+    assert timeout(30, 0) == 0
+    assert timeout(0, 5.0) == 5.0
+    assert timeout(None, None) is None
+
+
+def test_an_aborting_engine_leaves_in_its_signal_handler_before_vllms_own() -> None:
+    class Client:
+        left = 0
+
+        def leave(self) -> None:
+            self.left += 1
+
+    class Engine:
+        class vllm_config:
+            shutdown_timeout = 0
+
+    calls: list[tuple[str, int]] = []
+    client = Client()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for signum in saved:
+            signal.signal(signum, lambda num, frame: calls.append(("vllm", client.left)))
+        leave_on_signal(Engine(), client)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        # Left first, then vLLM's handler ran as before.
+        assert calls == [("vllm", 1), ("vllm", 2)]
+        # Draining (--shutdown-timeout > 0): it serves on; it leaves when its loop ends.
+        for signum in saved:
+            signal.signal(signum, lambda num, frame: calls.append(("vllm", client.left)))
+        Engine.vllm_config.shutdown_timeout = 30
+        leave_on_signal(Engine(), client)
+        signal.raise_signal(signal.SIGTERM)
+        assert calls[-1] == ("vllm", 2)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
 from engine_ext.config import OutputRateConfig
-from engine_ext.flags import FLAGS, add_flags, config_from_args, parse_endpoint
+from engine_ext.flags import FLAGS, add_flags, config_from_args, default_engine_id, parse_endpoint
+from output_rate_core.ids import check_engine_id
 
 
 @pytest.mark.parametrize(
@@ -82,3 +84,57 @@ def test_the_replicas_reach_the_config_and_survive_its_round_trip() -> None:
     data = {**config.to_dict(), "control_plane_endpoints": ["tcp://cp-a:5557", "tcp://cp-b:5557"]}
     assert OutputRateConfig.from_dict(data) == config
     assert not config_from_args(parser().parse_args([])).enabled
+
+
+def test_engines_on_one_host_get_ids_that_differ_by_port() -> None:
+    # No --output-rate-engine-id: two servers on one machine, as every replica of a
+    # Deployment that leaves --host unset (0.0.0.0) would be started.
+    ids = [
+        config_from_args(argparse.Namespace(host="0.0.0.0", port=port)).engine_id
+        for port in (8000, 8001)
+    ]
+    assert ids == [f"{socket.gethostname()}:8000", f"{socket.gethostname()}:8001"]
+    assert not any("0.0.0.0" in engine_id for engine_id in ids)
+
+
+def test_the_default_id_is_the_machines_name_whatever_the_bind_address() -> None:
+    bound = {
+        config_from_args(argparse.Namespace(host=host, port=8000)).engine_id
+        for host in (None, "0.0.0.0", "127.0.0.1", "::")
+    }
+    assert bound == {default_engine_id(8000)}
+    # A name an engine id cannot hold as it is still gives a valid, stable id.
+    assert default_engine_id(8000, hostname="pod 1/ä") == "pod-1--:8000"
+    assert default_engine_id(None, hostname="..") == "localhost"
+    long_id = default_engine_id(65535, hostname="h" * 300)
+    assert OutputRateConfig(engine_id=long_id, data_parallel_size=2).engine_id_of_rank(1)
+    check_engine_id(long_id + "-dp9999")
+
+
+def test_an_explicit_engine_id_is_kept() -> None:
+    flag = FLAGS["output_rate_engine_id"]
+    args = parser().parse_args([flag, "engine-1"])
+    args.port = 8000
+    assert config_from_args(args).engine_id == "engine-1"
+
+
+def test_ceilings_from_the_command_line_reach_the_config() -> None:
+    args = parser().parse_args(
+        [
+            FLAGS["user_output_tokens_per_second"],
+            '{"a": 20}',
+            FLAGS["default_user_output_tokens_per_second_ceiling"],
+            "300",
+            FLAGS["user_output_tokens_per_second_ceiling"],
+            '{"a": 400, "b": null}',
+        ]
+    )
+    config = config_from_args(args)
+    assert config.default_ceiling == 300
+    assert config.user_ceilings == {"a": 400, "b": None}
+    assert OutputRateConfig.from_dict(config.to_dict()) == config
+    # A ceiling alone turns nothing on.
+    ceiling_only = parser().parse_args(
+        [FLAGS["default_user_output_tokens_per_second_ceiling"], "5"]
+    )
+    assert not config_from_args(ceiling_only).enabled

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,7 +24,7 @@ from vllm.entrypoints.launchers.app import build_app
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext import vllm_compat
-from engine_ext.identity import IDENTITY_ENV
+from engine_ext.identity import IDENTITY_ENV, OPERATOR_KEY_ENV, PROBE_PATHS, RESPONSES_PATH
 from engine_ext.plugin import LIMITING_ENV, register
 from harness.scheduler import TINY_MODEL
 
@@ -48,29 +47,126 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def app() -> Iterator[FastAPI]:
+def build(*flags: str, env: dict[str, str] | None = None) -> FastAPI:
+    """vLLM's app for these flags, its middleware built under ``env`` and the settings
+    the plugin put in the environment (the middleware reads them when it is built)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(LIMITING_ENV, "0")
         monkeypatch.delenv(IDENTITY_ENV, raising=False)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
         register()
-        args = vllm_compat.make_arg_parser(FlexibleArgumentParser()).parse_args(
-            [
-                "--model",
-                str(TINY_MODEL),
-                "--default-user-output-tokens-per-second",
-                "5",
-                "--output-rate-identity",
-                "header",
-                "--output-rate-identity-header",
-                HEADER,
-            ]
-        )
+        parser = vllm_compat.make_arg_parser(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", str(TINY_MODEL), *flags])
         AsyncEngineArgs.from_cli_args(args)  # adds the middleware, sets IDENTITY_ENV
         assert args.middleware == ["engine_ext.identity.IdentityMiddleware"]
         built = build_app(args, ("generate",), None)
-        # The middleware reads its settings when the app builds its stack (first request).
-        yield built
+        built.middleware_stack = built.build_middleware_stack()
+        return built
+
+
+# Every route of the server no user's key opens in api-key mode, with the development
+# routes (VLLM_SERVER_DEV_MODE) and runtime LoRA loading on: the same on every release.
+@pytest.fixture(scope="module")
+def app() -> FastAPI:
+    return build(
+        "--default-user-output-tokens-per-second",
+        "5",
+        "--output-rate-identity",
+        "header",
+        "--output-rate-identity-header",
+        HEADER,
+    )
+
+
+OPERATOR_ROUTES = {
+    "/abort_requests",
+    "/adapters",
+    "/adapters/{adapter_name}",
+    "/collective_rpc",
+    "/finish_weight_update",
+    "/get_world_size",
+    "/inference/v1/abort_requests",
+    "/init_weight_transfer_engine",
+    "/is_paused",
+    "/is_scaling_elastic_ep",
+    "/is_sleeping",
+    "/kv_event_sources",
+    "/load",
+    "/pause",
+    "/release_kv_cache_memory",
+    "/reset_encoder_cache",
+    "/reset_mm_cache",
+    "/reset_prefix_cache",
+    "/resume",
+    "/scale_elastic_ep",
+    "/server_info",
+    "/shutdown_weight_transfer_engine",
+    "/sleep",
+    "/start_draft_weight_update",
+    "/start_weight_update",
+    "/update_weight_version",
+    "/update_weights",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/wake_up",
+    "/weight_checker",
+    "/weight_info",
+}
+OPERATOR_KEY = "o" * 40
+
+
+@pytest.fixture(scope="module")
+def operator_app() -> FastAPI:
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        OPERATOR_KEY_ENV: OPERATOR_KEY,
+    }
+    # The key client never reaches a control plane: operator routes need no user keys.
+    return build(
+        "--control-plane-endpoint",
+        "tcp://127.0.0.1:1",
+        "--output-rate-identity",
+        "api-key",
+        "--enable-scale-out",
+        env=env,
+    )
+
+
+def _routes(app: FastAPI) -> dict[str, set[str]]:
+    """path -> methods of every route of the app (a mounted app: no methods)."""
+    return {r.path: set(getattr(r, "methods", None) or ()) for r in app.routes}
+
+
+def test_every_route_is_a_users_a_probe_or_the_operators(operator_app: FastAPI) -> None:
+    """A route a new release adds fails here until it is classified; unclassified, it
+    would be the operator's (refused to every user's key)."""
+    release = vllm_compat.release()
+    others = {
+        path
+        for path in _routes(operator_app)
+        if path not in release.tenant_paths | release.no_user_paths | PROBE_PATHS
+        and not path.startswith(RESPONSES_PATH + "/")
+    }
+    assert others == OPERATOR_ROUTES
+
+
+async def test_operator_routes_refuse_a_users_key_and_serve_the_operators(
+    operator_app: FastAPI,
+) -> None:
+    routes = _routes(operator_app)
+    async with client_of(operator_app) as http:
+        for path in sorted(OPERATOR_ROUTES):
+            url = path.replace("{adapter_name}", "some-adapter")
+            for method in sorted(routes[path] - {"HEAD"}):
+                refused = await http.request(method, url, headers={"Authorization": "Bearer x"})
+                assert refused.status_code == 403, (method, path, refused.text)
+                assert refused.json()["error"]["code"] == "operator_only"
+                auth = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+                served = await http.request(method, url, headers=auth)
+                # Past the middleware: vLLM answers (without an engine, mostly a 500).
+                assert served.status_code not in (401, 403), (method, path, served.text)
 
 
 def client_of(app: FastAPI) -> httpx.AsyncClient:

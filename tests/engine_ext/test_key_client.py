@@ -98,7 +98,7 @@ def test_keys_follow_the_control_plane_beside_the_engine_core(db: Database) -> N
         # version kept and no op, so the versions stay gap-free.
         bob = create_key(db, server, "bob")
         until(lambda: keys.table.user_of(bob[1]) is not None)
-        version = write(db, server, limits.put_limit, user="bob", rate=5, tier=None).new_version
+        version = write(db, server, limits.put_limit, user="bob", rate=5, tier=None).commit.version
         until(lambda: keys.applied_version == version)
         assert keys.is_in_sync and keys.num_resyncs == 0
         # The engine core got the limit and no key.

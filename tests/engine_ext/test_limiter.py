@@ -134,6 +134,42 @@ def test_hot_swap_keeps_the_window_bound_across_changes() -> None:
     assert times
 
 
+def test_a_rate_moved_up_and_down_adds_no_burst() -> None:
+    """A greedy user whose rate swings 10 <-> 1,000 tokens/s every 300 ms (a fleet share
+    moving between engines) gets at most the integral of its rate + 0.1 s of its highest
+    rate + 1 token over the whole run: a raise keeps the tokens the user may take at once
+    and the larger burst fills at the new rate. Re-pricing the debt at the new rate (the
+    rule before) handed out 0.1 s of each raise at once: 99 tokens per swing."""
+    clock = Clock()
+    limiter = OutputRateLimiter(None, {"u": 10}, clock_ns=clock)
+    rng = random.Random(9)
+    num_taken = 0
+    integral = 0.0
+    for swing in range(40):
+        rate = 1000 if swing % 2 else 10
+        limiter.set_rate("u", rate)
+        start, end = clock.now, clock.now + 300 * MS
+        while clock.now < end:
+            while limiter.try_take("u"):
+                num_taken += 1
+            clock.now += rng.randint(1, 5) * MS
+        integral += rate * (clock.now - start) / NS_PER_S
+    assert num_taken <= integral + 0.1 * 1000 + 1
+    assert num_taken >= integral - 40 * 2  # and the user still gets its rate
+
+
+def test_raising_an_idle_users_rate_fills_the_larger_burst_at_the_new_rate() -> None:
+    clock = Clock()
+    limiter = OutputRateLimiter(None, {"u": 10}, clock_ns=clock)
+    clock.now += NS_PER_S  # idle: its whole burst (1 token at 10/s, + 1) is there
+    limiter.try_take("u")
+    clock.now += NS_PER_S
+    limiter.set_rate("u", 1000)
+    assert limiter.num_available("u", 1000) == 2  # what it had, not 0.1 s of the raise
+    clock.now += 100 * MS
+    assert limiter.num_available("u", 1000) == 101  # filled at 1,000/s
+
+
 def test_clear_rate_and_replace_all() -> None:
     clock = Clock()
     limiter = OutputRateLimiter(None, {"a": 5}, clock_ns=clock)
@@ -288,9 +324,12 @@ def test_switching_enforcement_carries_the_gcra_state_over() -> None:
     assert not limiter.try_take("a")
     clock.now += 100 * MS
     assert limiter.take_many({"a": 5}) == {"a": 1}
-    # Back to shadow at twice the rate: the 2 tokens owed now take 100 ms, one more fits.
+    # Back to shadow at twice the rate: it keeps its credit (one token less than none: it
+    # owes 2, its burst was 1), so at 20/s none fits for 50 ms, then one.
     limiter.set_milli_rate("a", 20_000, shadow=True)
-    assert limiter.try_take("a") and limiter.shadow_take({"a": 2}) == {"a": 1}
+    assert limiter.try_take("a") and limiter.shadow_take({"a": 2}) == {"a": 2}
+    clock.now += 50 * MS
+    assert limiter.shadow_take({"a": 2}) == {"a": 1}
     # The default in shadow: users without their own entry are counted at its rate.
     limiter.set_default_milli_rate(10_000, shadow=True)
     assert limiter.is_shadow("b") and limiter.default_rate == 10
@@ -314,3 +353,120 @@ def test_with_clock_keeps_shadow_rates() -> None:
     limiter.set_default_milli_rate(3_000, shadow=True)
     copy = limiter.with_clock(Clock())
     assert copy.is_shadow("a") and copy.default_is_shadow and copy.rate_of("a") == 7
+
+
+# ---- borrowing (docs/scheduler.md, "Borrowing") -----------------------------------
+
+
+def borrowing_limiter(clock: Clock) -> OutputRateLimiter:
+    limiter = OutputRateLimiter(None, {"a": 20, "b": 60, "u": None}, clock_ns=clock)
+    limiter.set_milli_ceiling("a", 100_000)
+    limiter.set_milli_ceiling("b", 600_000)
+    limiter.set_milli_ceiling("u", 600_000)
+    return limiter
+
+
+def test_borrowed_tokens_are_bounded_by_the_ceiling_less_the_rate_and_leave_the_rate_alone() -> (
+    None
+):
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    assert limiter.has_ceilings
+    assert limiter.borrow_milli_of("a") == 80_000
+    lent: list[int] = []
+    end = clock.now + 3 * NS_PER_S
+    while clock.now < end:
+        while limiter.try_borrow("a"):
+            lent.append(clock.now)
+        clock.now += 7 * MS
+    # The extra rate's GCRA bound: (W + 0.1) x 80 + 1 in every window.
+    assert_window_bound(lent, 80, max_window_s=3.0)
+    assert len(lent) >= 80 * 2.9
+    # The rate's state is untouched: a full burst is there.
+    assert limiter.num_available("a", 100) == 3
+
+
+def test_refund_borrowed_undoes_the_loan_exactly() -> None:
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    while limiter.try_borrow("a"):
+        pass
+    tag = limiter.borrow_tag("a")
+    limiter.refund_borrowed("a", 2)
+    assert limiter.borrow_tag("a") < tag
+    assert limiter.try_borrow("a") and limiter.try_borrow("a")
+    assert not limiter.try_borrow("a")
+
+
+def test_borrowers_are_ordered_by_tokens_per_unit_of_rate_and_bank_no_idle_time() -> None:
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    # Lend 400 tokens one at a time to the lowest tag: 1:3 for rates 20 and 60.
+    num_lent = {"a": 0, "b": 0}
+    for _ in range(400):
+        user = min(("a", "b"), key=lambda u: (limiter.borrow_tag(u), u))
+        assert limiter.try_borrow(user)
+        num_lent[user] += 1
+        clock.now += 10 * MS
+    assert num_lent == {"a": 100, "b": 300}
+    # "a" is away while "b" borrows on; back, it is lifted to the last tag lent: it
+    # does not get the capacity to itself to catch up.
+    for _ in range(300):
+        assert limiter.try_borrow("b")
+        clock.now += 10 * MS
+    assert limiter.borrow_tag("a") == limiter.borrow_tag("b") - NS_PER_S * 1000 // 60_000
+
+
+def test_a_loan_out_of_the_fair_order_charges_the_borrower_and_leaves_the_clock() -> None:
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    for _ in range(3):  # "a" is ahead: 3 x 50 ms of virtual time
+        assert limiter.try_borrow("a")
+    assert limiter.try_borrow("b")
+    tag_a, tag_b = limiter.borrow_tag("a"), limiter.borrow_tag("b")
+    # Lent at admission (queue order) although "b" is behind: "a" pays, and "b" is not
+    # lifted to "a"'s tag (it keeps what it is owed).
+    assert limiter.try_borrow("a", in_order=False)
+    assert limiter.borrow_tag("a") == tag_a + NS_PER_S * 1000 // 20_000
+    assert limiter.borrow_tag("b") == tag_b
+    # In order, the same loan moves the clock to its tag: "b" is lifted to it.
+    assert limiter.try_borrow("a")
+    assert limiter.borrow_tag("b") == tag_a + NS_PER_S * 1000 // 20_000
+
+
+def test_only_an_enforced_finite_rate_below_its_ceiling_borrows() -> None:
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    assert limiter.borrow_milli_of("u") is None  # unlimited
+    assert not limiter.try_borrow("u")
+    limiter.set_milli_rate("b", 60_000, shadow=True)
+    assert limiter.borrow_milli_of("b") is None  # shadow: unlimited to the plan
+    assert limiter.borrow_milli_of("nobody") is None  # no default rate
+    limiter.set_milli_ceiling("a", 20_000)
+    assert limiter.borrow_milli_of("a") is None  # a ceiling at the rate lends nothing
+    limiter.set_default_rate(10)
+    limiter.set_default_milli_ceiling(50_000)
+    assert limiter.borrow_milli_of("nobody") == 40_000
+    limiter.clear_ceiling("a")
+    assert limiter.borrow_milli_of("a") == 30_000  # the default's ceiling over its rate
+    limiter.set_milli_ceiling("a", None)
+    assert limiter.borrow_milli_of("a") is None  # its own "none" wins over the default's
+    limiter.replace_ceilings(None, {})
+    assert not limiter.has_ceilings
+
+
+def test_a_rate_change_rescales_the_borrowed_state() -> None:
+    clock = Clock()
+    limiter = borrowing_limiter(clock)
+    while limiter.try_borrow("a"):
+        pass
+    limiter.set_rate("a", 90)  # extra rate 80 -> 10 tok/s: lowering keeps the TAT in time
+    clock.now += 120 * MS
+    assert limiter.try_borrow("a")
+    assert limiter.borrow_milli_of("a") == 10_000
+
+
+def test_with_clock_keeps_the_ceilings() -> None:
+    limiter = borrowing_limiter(Clock())
+    copy = limiter.with_clock(Clock())
+    assert copy.ceiling_milli_of("a") == 100_000 and copy.borrow_milli_of("b") == 540_000

@@ -217,3 +217,14 @@ def test_would_throttle_steps_are_counted_per_user_under_the_label_cap() -> None
     would = user_values(rendered, "vllm:output_rate_would_throttle_steps_total")
     assert would == {"s1": 32, "s2": 0, OTHER_USER: 4}  # s3 folded, as its tokens are
     assert user_values(rendered, "vllm:output_rate_throttled_steps_total")["s1"] == 0
+
+
+def test_borrowed_tokens_are_counted_per_user_under_the_label_cap() -> None:
+    metrics, _ = make_metrics(max_users=2)
+    metrics.add_usage({"b1": 50, "b2": 40, "b3": 5}, {}, borrowed={"b1": 30, "b3": 4})
+    metrics.add_usage({"b1": 10}, {}, borrowed={"b1": 2})
+    rendered = samples(snapshot(metrics))
+    borrowed = user_values(rendered, "vllm:output_rate_borrowed_tokens_total")
+    assert borrowed == {"b1": 32, "b2": 0, OTHER_USER: 4}  # b3 folded, as its tokens are
+    granted = user_values(rendered, "vllm:output_rate_granted_tokens_total")
+    assert granted == {"b1": 60, "b2": 40, OTHER_USER: 5}  # borrowed ones are granted too

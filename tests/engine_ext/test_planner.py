@@ -32,7 +32,7 @@ class Req:
     arrival_time: float = 0.0
 
     @property
-    def num_tokens_with_spec(self) -> int:
+    def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
 
 
@@ -252,9 +252,7 @@ class ReqQueue:
 
 def samples(request: Req, step: int, max_chunk: int) -> bool:
     """Whether upstream's step would sample ``request`` (the spec the planner mirrors)."""
-    remaining = (
-        request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
-    )
+    remaining = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
     if remaining <= 0 or step < request.next_decode_eligible_step or remaining > max_chunk:
         return False
     return not (

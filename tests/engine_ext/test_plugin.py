@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from typing import Any
@@ -12,7 +13,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext import vllm_compat
 from engine_ext.config import CONFIG_KEY, OutputRateConfig
-from engine_ext.identity import IDENTITY_ENV, MIDDLEWARE, IdentityConfig
+from engine_ext.identity import IDENTITY_ENV, MIDDLEWARE, OPERATOR_KEY_ENV, IdentityConfig
 from engine_ext.plugin import (
     ASYNC_SCHEDULER,
     LIMITING_ENV,
@@ -92,6 +93,18 @@ def test_scheduler_follows_the_resolved_async_scheduling() -> None:
     assert config.scheduler_config.scheduler_cls == expected
 
 
+def test_speculative_decoding_builds_a_limited_engine() -> None:
+    config = engine_config(
+        "--default-user-output-tokens-per-second",
+        "5",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    )
+    assert config.speculative_config is not None
+    assert config.speculative_config.num_speculative_tokens == 4
+    assert config.scheduler_config.scheduler_cls in (SYNC_SCHEDULER, ASYNC_SCHEDULER)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -115,6 +128,8 @@ def test_scheduler_follows_the_resolved_async_scheduling() -> None:
         (["--output-rate-metrics-users", "many"], "integer 0..1000"),
         (["--output-rate-metrics-idle-seconds", "0"], "seconds in (0, 86400]"),
         (["--output-rate-metrics-idle-seconds", "soon"], "seconds in (0, 86400]"),
+        (["--output-rate-http-header-timeout", "0"], "seconds in (0, 300]"),
+        (["--output-rate-http-idle-timeout", "301"], "seconds in (0, 300]"),
     ],
 )
 def test_bad_flag_values_fail_naming_the_flag(
@@ -133,10 +148,6 @@ def test_bad_flag_values_fail_naming_the_flag(
         (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls"),
         (["--data-parallel-size", "2"], "--data-parallel-size"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
-        (
-            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-            "--speculative-config",
-        ),
         (
             ["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
             "--kv-transfer-config",
@@ -170,6 +181,10 @@ def test_metrics_flags_reach_the_engine_config() -> None:
 # ---- identity modes (docs/identity.md) ----------------------------------------------
 
 CP = ["--control-plane-endpoint", "tcp://127.0.0.1:1"]
+IDENTITY_MODES = {
+    "header": ["--output-rate-identity", "header", "--output-rate-identity-header", "X-User"],
+    "api-key": [*CP, "--output-rate-identity", "api-key"],
+}
 
 
 @pytest.fixture
@@ -177,6 +192,7 @@ def _identity_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # from_cli_args sets it for the API server processes; each test starts without it.
     monkeypatch.delenv(IDENTITY_ENV, raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv(OPERATOR_KEY_ENV, raising=False)
 
 
 def from_cli_args(*flags: str) -> tuple[Any, AsyncEngineArgs]:
@@ -219,6 +235,44 @@ def test_api_key_mode_connects_as_the_engine_with_role_api() -> None:
 
 
 @pytest.mark.usefixtures("_identity_env")
+@pytest.mark.parametrize("mode", ["header", "api-key"])
+def test_identity_modes_guard_the_servers_connections(mode: str) -> None:
+    from vllm.entrypoints.launchers.api_server import entry
+
+    from_cli_args(
+        *IDENTITY_MODES[mode],
+        "--default-user-output-tokens-per-second",
+        "5",
+        "--output-rate-http-header-timeout",
+        "2.5",
+    )
+    config = IdentityConfig.from_env()
+    assert (config.header_timeout_s, config.idle_timeout_s) == (2.5, 10.0)
+    # The API server's uvicorn gets the guard as its protocol (engine_ext/http_server.py).
+    assert getattr(entry.serve_http, vllm_compat.PATCHED_MARK, False)
+
+
+@pytest.mark.usefixtures("_identity_env")
+def test_the_operator_key_reaches_the_middleware_as_its_digest_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = "op-" + "x" * 40
+    monkeypatch.setenv(OPERATOR_KEY_ENV, key)
+    from_cli_args(*IDENTITY_MODES["api-key"])
+    config = IdentityConfig.from_env()
+    assert config.operator_key_sha256 == hashlib.sha256(key.encode()).hexdigest()
+    assert key not in os.environ[IDENTITY_ENV]
+    for bad in ("x" * 31, "with space " + "x" * 32, "é" * 40):
+        monkeypatch.setenv(OPERATOR_KEY_ENV, bad)
+        with pytest.raises(ValueError, match=f"{OPERATOR_KEY_ENV} must be at least 32"):
+            from_cli_args(*IDENTITY_MODES["api-key"])
+    # In header mode the gateway decides who reaches which route.
+    monkeypatch.setenv(OPERATOR_KEY_ENV, key)
+    with pytest.raises(ValueError, match=f"{OPERATOR_KEY_ENV} is only used with"):
+        from_cli_args("--default-user-output-tokens-per-second", "5", *IDENTITY_MODES["header"])
+
+
+@pytest.mark.usefixtures("_identity_env")
 def test_body_mode_adds_nothing_and_says_identities_are_not_authenticated(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -239,6 +293,7 @@ def test_body_mode_adds_nothing_and_says_identities_are_not_authenticated(
         (["--output-rate-identity", "api-key"], "needs --control-plane-endpoint"),
         ([*CP, "--output-rate-identity", "api-key", "--api-key", "k"], "--api-key"),
         ([*CP, "--output-rate-identity", "api-key", "--api-server-count", "2"], "count 1"),
+        (["--output-rate-http-header-timeout", "3"], "only used with --output-rate-identity"),
     ],
 )
 def test_identity_flags_that_cannot_be_are_refused_naming_the_flag(
@@ -258,6 +313,58 @@ def test_identity_without_limits_and_vllm_api_key_env_are_refused(
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     with pytest.raises(ValueError, match="VLLM_API_KEY"):
         from_cli_args(*CP, "--output-rate-identity", "api-key")
+
+
+# How a test gives each option of the release's frontends_without_middleware.
+FRONTEND_FLAGS = {
+    "--grpc": ["--grpc"],
+    "--grpc-port": ["--grpc-port", "0"],
+    "--headless": ["--headless"],
+    "--headless-client-handshake-address": [
+        "--headless",
+        "--headless-client-handshake-address",
+        "tcp://127.0.0.1:1",
+    ],
+}
+
+
+@pytest.mark.usefixtures("_identity_env")
+@pytest.mark.parametrize("mode", list(IDENTITY_MODES))
+@pytest.mark.parametrize(
+    "option", [option for option, _ in vllm_compat.release().frontends_without_middleware]
+)
+def test_identity_modes_refuse_every_frontend_without_the_middleware_naming_it(
+    mode: str, option: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flags = [*IDENTITY_MODES[mode], "--default-user-output-tokens-per-second", "5"]
+    if option.startswith("--"):
+        flags += FRONTEND_FLAGS[option]
+    else:
+        monkeypatch.setenv(option, "1")
+    with pytest.raises(ValueError, match=f"--output-rate-identity {mode} cannot run with") as e:
+        from_cli_args(*flags)
+    assert f"{option}:" in str(e.value)
+    assert IDENTITY_ENV not in os.environ
+    # Without an identity mode nothing depends on the middleware: the frontend starts.
+    monkeypatch.delenv(option, raising=False)
+    from_cli_args("--default-user-output-tokens-per-second", "5", *FRONTEND_FLAGS.get(option, []))
+
+
+def test_the_release_row_names_every_frontend_without_the_middleware() -> None:
+    """The flags of the row are flags of this release's parser (a renamed one would
+    silently stop being refused); the one environment variable is vLLM's."""
+    import vllm.envs
+
+    actions = {
+        option
+        for action in vllm_compat.make_arg_parser(FlexibleArgumentParser())._actions
+        for option in action.option_strings
+    }
+    options = [option for option, _ in vllm_compat.release().frontends_without_middleware]
+    assert {o for o in options if o.startswith("--")} <= actions
+    assert [o for o in options if not o.startswith("--")] == ["VLLM_USE_RUST_FRONTEND"]
+    assert "VLLM_USE_RUST_FRONTEND" in vllm.envs.environment_variables
+    assert {"--grpc", "--grpc-port", "--headless"} <= set(options)
 
 
 @pytest.mark.parametrize("name", ["X User", "X:User", "", "X-Üser"])

@@ -7,14 +7,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import zmq
 
+from engine_ext import vllm_compat
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import USAGE_MIN_SPACING_S, PushClient, usage_parts
 from harness.scripted_server import WAIT_S, ScriptedServer
 from output_rate_core import protocol as p
+
+# What every HELLO of these clients says they run: the vLLM installed here.
+INSTALLED_VLLM = vllm_compat.installed_vllm_version() or ""
 
 
 @pytest.fixture
@@ -70,7 +75,7 @@ SNAP = p.Snapshot(
 
 def connect(server: ScriptedServer, engine: Engine, snap: p.Snapshot = SNAP) -> bytes:
     identity, hello = server.recv(p.Hello)
-    assert hello == p.Hello("e1", "tiny", 0)
+    assert hello == p.Hello("e1", "tiny", 0, vllm_version=INSTALLED_VLLM)
     server.send(identity, snap)
     engine.until(lambda: engine.client.applied_version == snap.version)
     _, ack = server.recv(p.Ack)
@@ -197,7 +202,7 @@ def test_a_silent_server_gets_a_resync_then_a_new_connection(server: ScriptedSer
         # ...then, still unanswered, it dials again with the version it holds.
         identity, hello = server.recv(p.Hello)
         assert identity != first
-        assert hello == p.Hello("e1", "tiny", 5)
+        assert hello == p.Hello("e1", "tiny", 5, vllm_version=INSTALLED_VLLM)
         assert engine.client.num_reconnects >= 1 and engine.client.num_silences >= 1
         # Meanwhile it kept the last limits.
         assert engine.limiter.user_rates() == {"a": 20, "b": 7, "c": 9, "d": None}
@@ -238,11 +243,12 @@ def test_a_silent_replica_is_left_for_the_next_round_robin(
         before_snapshot = time.monotonic()
         old = connect(first, engine)
         assert engine.client.endpoint == first.endpoint
-        # The first says nothing more: past reconnect_after_s the client says HELLO to the
-        # second with the version it holds, and kept the first's limits meanwhile.
+        # The first says nothing more: past one silence (not reconnect_after_s, which is
+        # for a lone endpoint) the client says HELLO to the second with the version it
+        # holds, and kept the first's limits meanwhile.
         identity, hello = second.recv(p.Hello)
-        assert time.monotonic() - before_snapshot >= reconnect_after_s
-        assert hello == p.Hello("e1", "tiny", 5)
+        assert 0.4 <= time.monotonic() - before_snapshot < reconnect_after_s
+        assert hello == p.Hello("e1", "tiny", 5, vllm_version=INSTALLED_VLLM)
         assert (engine.client.endpoint_index, engine.client.endpoint) == (1, second.endpoint)
         assert engine.limiter.user_rates() == SNAP_RATES
         assert f"moving to replica 2 of 2 at {second.endpoint}" in caplog.text
@@ -253,7 +259,7 @@ def test_a_silent_replica_is_left_for_the_next_round_robin(
         # The second goes silent too: round robin, back to the first on a new connection.
         identity, hello = first.recv(p.Hello)
         assert identity != old
-        assert hello == p.Hello("e1", "tiny", 7)
+        assert hello == p.Hello("e1", "tiny", 7, vllm_version=INSTALLED_VLLM)
         assert engine.client.endpoint_index == 0
         assert engine.limiter.user_rates() == {"c": 2}
     finally:
@@ -276,9 +282,12 @@ def test_a_replica_down_at_start_is_passed_within_the_silence_timeout(
         assert time.monotonic() - started < 0.5 + WAIT_S / 3
         assert engine.client.endpoint_index == 1
         assert engine.limiter.user_rates() == SNAP_RATES
-        # Answered: the replica is kept now, past the silence timeout, until reconnect_after_s.
-        server.recv(p.Resync)
-        assert engine.client.endpoint_index == 1
+        # With several replicas one silence is enough to move on, answered or not (the
+        # long reconnect timeout is for a lone endpoint): back to the first.
+        silent_from = time.monotonic()
+        while engine.client.endpoint_index != 0:
+            assert time.monotonic() - silent_from < 0.5 + WAIT_S / 3, "never moved on"
+            time.sleep(0.01)
     finally:
         engine.client.close()
 
@@ -297,6 +306,33 @@ def test_an_ipv6_replica_is_dialled() -> None:
     finally:
         engine.client.close()
         srv.close()
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("0.34.0", "0.34.0"),
+        ("0.33.0rc1.dev2+g5f3e1a.cpu", "0.33.0rc1.dev2+g5f3e1a.cpu"),
+        ("0.32.0 (patched)", ""),
+        ("1" * 65, ""),
+    ],
+)
+def test_hello_says_the_vllm_version_or_nothing_the_wire_refuses(
+    server: ScriptedServer, given: str, said: str
+) -> None:
+    client = PushClient(
+        endpoints=[server.endpoint],
+        engine_id="e1",
+        model="tiny",
+        server_public_key=None,
+        vllm_version=given,
+    )
+    client.start()
+    try:
+        _, hello = server.recv(p.Hello)
+        assert hello == p.Hello("e1", "tiny", 0, vllm_version=said)
+    finally:
+        client.close()
 
 
 def test_a_client_needs_an_endpoint() -> None:
@@ -356,6 +392,31 @@ def test_limit_table_flattens_like_the_control_plane() -> None:
     assert limiter.rate_of("a") is None
 
 
+def test_ceilings_arrive_with_the_snapshot_and_each_delta(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    snap = msgspec.structs.replace(
+        SNAP, tier_ceilings={"free": 25}, user_ceilings={"c": 12}, default_ceiling=60
+    )
+    identity = connect(server, engine, snap)
+    table = engine.client.table
+    assert [table.ceiling_milli(u) for u in ("a", "b", "c", "d", "nobody")] == [
+        25_000,
+        25_000,
+        12_000,
+        None,  # an unlimited tier: nothing to borrow
+        60_000,
+    ]
+    server.send(identity, p.Delta(6, [p.SetTier("free", 20), p.SetUser("c", None, 9, ceiling=30)]))
+    engine.until(lambda: engine.client.applied_version == 6)
+    table = engine.client.table
+    # The tier's ceiling is gone: a and b inherit the default's.
+    assert [table.ceiling_milli(u) for u in ("a", "b", "c")] == [60_000, 60_000, 30_000]
+    server.send(identity, p.Delta(7, [p.SetDefault(50)]))
+    engine.until(lambda: engine.client.applied_version == 7)
+    assert engine.client.table.ceiling_milli("a") is None
+
+
 # ---- fleet shares (docs/fleet.md) ----------------------------------------------
 
 FLEET_SNAP = p.Snapshot(
@@ -405,6 +466,51 @@ def test_shares_fall_back_to_the_safe_share_when_the_lease_ends(
     engine.until(lambda: engine.limiter.milli_rate_of("a") == 20_000, timeout_s=3)
 
 
+def _old_shares_frame(lease_ms: int, shares: dict[str, int]) -> bytes:
+    """A Shares frame as a control plane from before outage policies sends it."""
+    fields = {"epoch": 3, "seq": 1, "lease_ms": lease_ms, "num_engines": 2, "full": True}
+    return bytes([p.SHARES]) + msgspec.msgpack.encode({**fields, "shares": shares})
+
+
+@pytest.mark.parametrize(
+    ("frame", "after_lease"),
+    [
+        # An older control plane: no policy, no count: the safe share (40 over 2 engines).
+        (_old_shares_frame(300, {"a": 35_000}), 20_000),
+        # The user served by this engine alone: its whole limit.
+        (p.encode(p.Shares(3, 1, 300, 2, True, {"a": 35_000}, serving={"a": 1})), 40_000),
+        (
+            p.encode(p.Shares(3, 1, 300, 2, True, {"a": 35_000}, "fraction", 0, 0.25)),
+            10_000,
+        ),
+    ],
+    ids=["old-frame", "serving", "fraction"],
+)
+def test_the_outage_policy_sent_with_the_shares_applies_when_the_lease_ends(
+    server: ScriptedServer, engine: Engine, frame: bytes, after_lease: int
+) -> None:
+    identity = connect(server, engine, FLEET_SNAP)
+    server.send(identity, frame)
+    engine.until(lambda: engine.limiter.milli_rate_of("a") == 35_000)
+    assert server.recv(p.ShareAck)[1] == p.ShareAck("e1", 3, 1)
+    engine.until(lambda: engine.client.table.fleet.in_outage, timeout_s=3)
+    assert engine.limiter.milli_rate_of("a") == after_lease
+
+
+def test_a_snapshot_in_an_outage_keeps_each_users_outage_share(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine, FLEET_SNAP)
+    server.send(identity, p.Shares(3, 1, 300, 2, True, {"a": 35_000}, serving={"a": 1}))
+    engine.until(lambda: engine.client.table.fleet.in_outage, timeout_s=3)
+    assert engine.limiter.milli_rate_of("a") == 40_000
+    # Another replica's snapshot (the engine moved) while no allocator sends shares.
+    server.send(identity, msgspec.structs.replace(FLEET_SNAP, version=6))
+    engine.until(lambda: engine.client.applied_version == 6)
+    assert engine.limiter.milli_rate_of("a") == 40_000
+    assert engine.limiter.milli_rate_of("b") == 5_000  # never shared: 10 over 2 engines
+
+
 # A user id as long as allowed, of four-byte UTF-8 characters (U+1D11E).
 def _long_id(i: int) -> str:
     return f"{i:06d}" + "\U0001d11e" * (256 - 6)
@@ -415,7 +521,8 @@ def test_the_largest_report_goes_in_parts_that_each_fit_a_frame() -> None:
     granted = {u: 2**40 + i for i, u in enumerate(users)}  # 9-byte counts, the largest
     throttled = {u: 2**41 for u in users}
     would = {u: 2**42 for u in users}
-    parts = usage_parts("e" * 256, 3600.0, granted, throttled, would)
+    borrowed = {u: 2**40 for u in users}
+    parts = usage_parts("e" * 256, 3600.0, granted, throttled, would, borrowed)
     frames = [p.encode(part) for part in parts]
     # Before: one ~41 MB frame, which the control plane refuses (and drops the connection).
     assert 1 < len(parts) <= p.MAX_USAGE_PARTS
@@ -426,9 +533,14 @@ def test_the_largest_report_goes_in_parts_that_each_fit_a_frame() -> None:
     assert {u: n for part in parts for u, n in part.granted.items()} == granted
     assert {u: n for part in parts for u, n in part.throttled.items()} == throttled
     assert {u: n for part in parts for u, n in part.would_throttle.items()} == would
+    assert {u: n for part in parts for u, n in part.borrowed_counts.items()} == borrowed
     # Each user's counts travel together.
     assert all(
-        part.granted.keys() == part.throttled.keys() == part.would_throttle.keys() for part in parts
+        part.granted.keys()
+        == part.throttled.keys()
+        == part.would_throttle.keys()
+        == part.borrowed_counts.keys()
+        for part in parts
     )
     assert sum(len(part.granted) for part in parts) == len(granted)
 
@@ -473,10 +585,12 @@ def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
     engine.client.report_usage(granted={"a": 1}, throttled={})
     time.sleep(0.01)
     engine.client.report_usage(
-        granted={"a": 2, "b": 5}, throttled={"b": 1}, would_throttle={"a": 1}
+        granted={"a": 2, "b": 5}, throttled={"b": 1}, would_throttle={"a": 1}, borrowed={"a": 1}
     )
     time.sleep(0.01)
-    engine.client.report_usage(granted={"a": 4}, throttled={}, would_throttle={"a": 3})
+    engine.client.report_usage(
+        granted={"a": 4}, throttled={}, would_throttle={"a": 3}, borrowed={"a": 2}
+    )
     _, first = server.recv(p.Usage)
     _, second = server.recv(p.Usage)
     arrived = time.monotonic() - began
@@ -485,7 +599,61 @@ def test_reports_sooner_than_the_spacing_are_held_merged_and_sent_when_due(
     # The two later intervals in one report, sent by the IO thread once due.
     assert (second.granted, second.throttled) == ({"a": 6, "b": 5}, {"b": 1})
     assert (first.would_throttle, second.would_throttle) == ({}, {"a": 4})
+    assert (first.borrowed_counts, second.borrowed_counts) == ({}, {"a": 3})
     assert arrived >= USAGE_MIN_SPACING_S
     assert second.interval_s >= 0.02
     with pytest.raises(AssertionError):
         server.recv(p.Usage, timeout_s=1.0)  # nothing else: no report was sent twice
+
+
+def test_the_lease_counts_from_the_arrival_of_the_shares_not_their_apply(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    """The allocator accounts a lease from when its message could arrive: an engine thread
+    busy for a while after the frame came must not stretch it (docs/fleet.md, "Bound
+    holes")."""
+    identity = connect(server, engine, FLEET_SNAP)
+    lease_ms, busy_s = 1_000, 0.6
+    sent_at = time.monotonic_ns()
+    server.send(identity, p.Shares(3, 1, lease_ms, 2, True, {"a": 35_000}))
+    # The frame arrives while the engine thread is busy elsewhere (it applies nothing).
+    time.sleep(busy_s)
+    engine.client.apply_pending(engine.limiter)
+    assert engine.limiter.milli_rate_of("a") == 35_000
+    expires = engine.client.table.fleet.lease_expires_ns
+    assert expires is not None
+    # From the arrival (after the send), not from the apply (busy_s later).
+    assert sent_at + lease_ms * 1_000_000 <= expires < sent_at + (lease_ms + 300) * 1_000_000
+
+
+def test_leaving_is_the_last_frame_and_nothing_follows_it(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    connect(server, engine)
+    engine.client.leave()  # as from a signal handler: returns at once
+    _, leaving = server.recv(p.Leaving)
+    assert leaving == p.Leaving("e1", p.ENGINE_ROLE)
+    # Not even a heartbeat after it (one would bind the connection again).
+    engine.client.report_usage(granted={"a": 1}, throttled={})
+    assert server.sock.poll(int(2.5 * p.HEARTBEAT_INTERVAL_S * 1000)) == 0
+    engine.client.close()
+
+
+def test_a_snapshot_never_shrinks_the_fleet_only_shares_do(
+    server: ScriptedServer, engine: Engine
+) -> None:
+    identity = connect(server, engine, FLEET_SNAP)
+    assert engine.limiter.milli_rate_of("a") == 20_000  # safe: 40 tok/s over 2 engines
+    # A restarted control plane: its first snapshot counts only the engines back so far.
+    alone = msgspec.structs.replace(FLEET_SNAP, version=6, num_engines=1)
+    server.send(identity, alone)
+    engine.until(lambda: engine.client.applied_version == 6)
+    assert engine.client.table.num_engines == 2
+    assert engine.limiter.milli_rate_of("a") == 20_000
+    # Its allocator, once it heard the fleet, says one engine: the whole limit.
+    server.send(identity, p.Shares(9, 1, 5_000, 1, True, {}))
+    engine.until(lambda: engine.limiter.milli_rate_of("a") == 40_000)
+    # A larger fleet from a snapshot counts at once (an engine joining: "Bound holes").
+    server.send(identity, msgspec.structs.replace(FLEET_SNAP, version=7, num_engines=4))
+    engine.until(lambda: engine.client.applied_version == 7)
+    assert engine.limiter.milli_rate_of("a") == 10_000

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from engine_ext import vllm_compat
 from engine_ext.push_client import PushClient
 from engine_ext.scheduler import DEMAND_REPORT_INTERVAL_NS
 from harness.scheduler import FakeClock, drive, make_request, make_scheduler
@@ -48,6 +49,14 @@ class FleetEngine:
         self.sched.add_request(request)
         return request.request_id
 
+    def next_demand(self, until: Callable[[p.Demand], bool]) -> p.Demand:
+        """The first Demand frame the server receives from now on for which ``until`` holds."""
+        while True:
+            demand = self.server.recv(p.Demand)[1]
+            assert isinstance(demand, p.Demand)
+            if until(demand):
+                return demand
+
     def step(self, num_steps: int = 1, step_ms: float = STEP_MS) -> Counter[str]:
         """Drive the scheduler; how many tokens each user was sampled."""
         trace = drive(self.sched, num_steps=num_steps, clock=self.clock, step_ms=step_ms)
@@ -56,20 +65,29 @@ class FleetEngine:
 
 
 @contextmanager
-def fleet_engine(*, async_scheduling: bool) -> Iterator[FleetEngine]:
+def fleet_engine(
+    *, async_scheduling: bool, max_num_seqs: int = 16, snapshot: p.Snapshot = SNAP
+) -> Iterator[FleetEngine]:
     """The real output-rate scheduler on a fake clock with the real push client attached,
-    connected to a scripted server that has sent it SNAP (2 engines in the fleet)."""
+    connected to a scripted server that has sent it `snapshot` (SNAP: 2 engines in the
+    fleet)."""
     server = ScriptedServer()
     clock = FakeClock()
     # A default rate turns limiting on; SNAP replaces it.
-    sched: Any = make_scheduler(async_scheduling=async_scheduling, default_rate=1, clock=clock)
+    sched: Any = make_scheduler(
+        async_scheduling=async_scheduling, default_rate=1, clock=clock, max_num_seqs=max_num_seqs
+    )
     client = PushClient(
         endpoints=[server.endpoint], engine_id="e1", model="tiny", server_public_key=None
     )
     client.start()
     try:
-        identity, _ = server.recv(p.Hello)
-        server.send(identity, SNAP)
+        identity, hello = server.recv(p.Hello)
+        # It names the vLLM release it runs on (this suite runs on each supported one).
+        assert isinstance(hello, p.Hello)
+        assert hello.vllm_version == vllm_compat.installed_vllm_version()
+        assert hello.vllm_version.split("+")[0] in vllm_compat.SUPPORTED_VLLM_VERSIONS
+        server.send(identity, snapshot)
         assert client.wait_for_snapshot(10)
         sched.attach_push_client(client)
         server.pump = sched.apply_control_plane_updates
@@ -95,10 +113,14 @@ def test_a_new_user_is_reported_at_the_next_step_and_engine_scoped_users_never(
         engine.add("e", 50)
         engine.step(step_ms=1)
         assert engine.server.recv(p.Demand)[1] == p.Demand("e1", True, {"a": 1})
-        # 1 ms later, well inside the 250 ms report interval: a new user goes out at once.
+        # Inside the 250 ms report interval a new user goes out at the first step that is
+        # DEMAND_MIN_SPACING_NS (125 ms) after the last report: not 1 ms later, at 130 ms.
         engine.add("b", 50)
         engine.add("a", 50)
         engine.step(step_ms=1)
+        with pytest.raises(AssertionError, match="no Demand"):
+            engine.server.recv(p.Demand, timeout_s=0.2)
+        engine.step(num_steps=2, step_ms=130)
         assert engine.server.recv(p.Demand)[1] == p.Demand("e1", False, {"a": 2, "b": 1})
 
 
@@ -144,11 +166,8 @@ def test_the_share_binds_and_the_end_of_demand_follows_within_the_interval(
             num_steps += 1
         assert num_steps == 9 * p.MILLI * 1000 // share // STEP_MS + 1
         engine.step(DEMAND_REPORT_INTERVAL_NS // 1_000_000 // STEP_MS + 1)
-        while True:  # earlier reports first (a whole map may restate a: 2 or a: 1)
-            demand = server.recv(p.Demand)[1]
-            assert isinstance(demand, p.Demand)
-            if demand.streams.get("a", 0) == 0 and (demand.full or "a" in demand.streams):
-                break
+        # Earlier reports first (a whole map may restate a: 2 or a: 1).
+        engine.next_demand(lambda d: d.streams.get("a", 0) == 0 and (d.full or "a" in d.streams))
 
 
 @both_schedulers
@@ -162,3 +181,93 @@ def test_an_engine_that_goes_idle_says_its_demand_ended(async_scheduling: bool) 
         # The engine loop asks has_requests() before it blocks on its input queue.
         assert not engine.sched.has_requests()
         assert engine.server.recv(p.Demand)[1] == p.Demand("e1", False, {"a": 0})
+
+
+@both_schedulers
+def test_a_user_whose_requests_cannot_run_is_reported_stalled(async_scheduling: bool) -> None:
+    """Every running slot taken by an engine-scoped user's streams: the fleet user's request
+    waits, and the engine says it cannot use that user's share (docs/fleet.md, "Demand");
+    once a slot frees, it is no longer stalled."""
+    with fleet_engine(async_scheduling=async_scheduling, max_num_seqs=2) as engine:
+        engine.add("e", 3)
+        engine.add("e", 3)
+        engine.step(step_ms=1)
+        engine.add("a", 50)
+        engine.step(num_steps=2, step_ms=130)
+        demand = engine.next_demand(lambda d: "a" in d.streams)
+        assert demand.streams["a"] == 1 and demand.stalled == ["a"]
+        # The engine-scoped streams end (3 tokens each): "a" runs, and is stalled no more.
+        engine.step(num_steps=40, step_ms=130)
+        engine.next_demand(lambda d: not d.stalled)
+
+
+@both_schedulers
+def test_a_saturated_engine_counts_only_the_streams_it_runs(async_scheduling: bool) -> None:
+    """Every running slot taken: a fleet user's requests waiting for a slot would not use a
+    larger share, so its demand here is the streams it runs (one, not three); once a slot
+    frees and a second one runs, two (docs/fleet.md, "Demand")."""
+    with fleet_engine(async_scheduling=async_scheduling, max_num_seqs=2) as engine:
+        engine.add("e", 3)
+        engine.step(step_ms=1)
+        for _ in range(3):
+            engine.add("a", 50)
+        engine.step(num_steps=2, step_ms=130)
+        demand = engine.next_demand(lambda d: "a" in d.streams)
+        assert demand.streams["a"] == 1 and demand.stalled == []
+        # The engine-scoped stream ends (3 tokens): "a" runs on both slots, one still waits.
+        engine.step(num_steps=40, step_ms=130)
+        engine.next_demand(lambda d: d.streams.get("a") == 2)
+
+
+@both_schedulers
+def test_an_idle_engine_takes_the_fleet_size_its_safe_shares_divide_by(
+    async_scheduling: bool,
+) -> None:
+    with fleet_engine(async_scheduling=async_scheduling) as engine:
+        server, sched = engine.server, engine.sched
+        # Never a request: still, after its snapshot it says its (empty) whole demand, so
+        # the control plane sends it a full table, and with it the fleet size.
+        assert not sched.has_requests()
+        assert server.recv(p.Demand)[1] == p.Demand("e1", True, {})
+        # Another engine left: one engine now, a's safe share is its whole limit.
+        server.send(engine.identity, p.Shares(4, 1, 60_000, 1, True, {}))
+        assert server.recv(p.ShareAck)[1] == p.ShareAck("e1", 4, 1)
+        assert sched.output_rate_limiter.milli_rate_of("a") == 40_000
+        server.send(engine.identity, p.Shares(4, 2, 60_000, 3, False, {}))
+        server.recv(p.ShareAck)
+        assert sched.output_rate_limiter.milli_rate_of("a") == 40_000 // 3
+        assert sched.push_client.table.num_engines == 3
+
+
+@both_schedulers
+def test_a_borrowers_usage_report_carries_the_tokens_it_borrowed(async_scheduling: bool) -> None:
+    # c: 20 tok/s on this engine, may borrow up to 60 when nobody else needs the capacity.
+    snapshot = p.Snapshot(
+        version=3,
+        default_rate=None,
+        tiers={},
+        users={"c": (None, 20), "d": (None, 20)},
+        user_scopes={"c": "engine", "d": "engine"},
+        user_ceilings={"c": 60},
+    )
+    with fleet_engine(async_scheduling=async_scheduling, snapshot=snapshot) as engine:
+        for _ in range(4):
+            engine.add("c", 2000)
+            engine.add("d", 2000)
+        # 3 s of 10 ms steps: reports at each second of the engine's clock.
+        sampled = engine.step(num_steps=300)
+        granted: Counter[str] = Counter()
+        borrowed: Counter[str] = Counter()
+        while True:
+            try:
+                _, report = engine.server.recv(p.Usage, timeout_s=2.0)
+            except AssertionError:
+                break  # the rest of the last second goes with the next report
+            assert isinstance(report, p.Usage)
+            granted.update(report.granted)
+            borrowed.update(report.borrowed_counts)
+    assert sum(granted.values()) > 0.5 * sampled.total()
+    # d (no ceiling) borrowed none, c beyond its rate: its tokens within the rate are d's.
+    assert set(borrowed) == {"c"}
+    assert 0 < borrowed["c"] < granted["c"]
+    assert granted["c"] - borrowed["c"] == pytest.approx(granted["d"], abs=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,8 +16,11 @@ from engine_ext.metrics import (
     decode_snapshot,
     encode_snapshot,
 )
+from engine_ext.push_client import PushClient
 from harness.scheduler import FakeClock, drive, make_request, make_scheduler
-from tests.engine_ext.test_metrics import figures
+from harness.scripted_server import ScriptedServer
+from output_rate_core import protocol as p
+from tests.engine_ext.test_metrics import figures, samples
 
 
 def test_stats_field_survives_vllms_engine_output_encoding_and_is_added_once() -> None:
@@ -127,3 +131,50 @@ def test_scheduler_counts_match_tokens_and_only_the_limited_user_is_throttled(
     clock.advance_ms(1000)
     last = decode_snapshot(getattr(sched.make_stats(), PAYLOAD_FIELD))
     assert last.num_throttled_resident == 0
+
+
+def test_an_idle_engine_publishes_its_link_to_the_control_plane_when_it_changes() -> None:
+    """A refused engine id is seen on /metrics while no request runs: the idle engine sends
+    its figures when the refusals (or its sync) change, and nothing when they do not."""
+    clock = FakeClock()
+    sched: Any = make_scheduler(default_rate=5, clock=clock)
+    from vllm.v1.metrics.stats import PrefixCacheStats
+
+    sched.log_stats = True
+    sched.kv_cache_manager.make_prefix_cache_stats = PrefixCacheStats
+    assert stat_logger.add_stats_field()
+    sched.output_rate_metrics = EngineMetrics(clock_ns=clock)
+    published: list[Any] = []
+    sched.output_rate_publish_stats = published.append
+    server = ScriptedServer()
+    client = PushClient(
+        endpoints=[server.endpoint], engine_id="dup", model="tiny", server_public_key=None
+    )
+    client.start()
+    try:
+        sched.attach_push_client(client)
+        identity, _ = server.recv(p.Hello)
+        assert not sched.has_requests()  # idle: its first figures go out
+        assert [decode_snapshot(getattr(s, PAYLOAD_FIELD)).refusals for s in published] == [{}]
+        assert not sched.has_requests()
+        assert len(published) == 1  # nothing changed: nothing sent
+        server.send(identity, p.Refused("engine_id_in_use", "another live connection holds it"))
+        deadline = time.monotonic() + 10
+        while not client.refusals:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not sched.has_requests()
+        payload = decode_snapshot(getattr(published[-1], PAYLOAD_FIELD))
+        assert payload.refusals == {"engine_id_in_use": 1}
+        assert payload.connected is False
+        # Rendered with every reason, so the first refusal is an increase from 0.
+        rendered = samples(payload)["vllm:output_rate_control_plane_refusals_total"]
+        assert {dict(labels)["reason"]: v for labels, v in rendered.items()} == {
+            "engine_id_in_use": 1,
+            "engine_id_not_allowed": 0,
+            "server_full": 0,
+        }
+    finally:
+        client.close()
+        server.close()
+        sched.shutdown()

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from control_plane.models import Engine, UserLimit
-from engine_ext.flags import add_flags, config_from_args
+from engine_ext.flags import add_flags, config_from_args, default_engine_id
 from output_rate_core import ids
 from output_rate_core import protocol as p
 
@@ -25,7 +25,9 @@ def test_column_lengths_are_the_id_rules() -> None:
     assert UserLimit.__table__.c.user.type.length == ids.MAX_USER_ID_LEN  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "nul\x00", "tab\t", "\ufffd", "x" * 257, ".", ".."])
+@pytest.mark.parametrize(
+    "bad", ["", "a/b", "nul\x00", "tab\t", "\ufffd", "x" * 257, ".", "..", "newline\n"]
+)
 def test_bad_user_ids_are_refused_everywhere(bad: str) -> None:
     with pytest.raises(ValueError):
         ids.check_user_id(bad)
@@ -42,7 +44,7 @@ def test_engine_ids(good: str) -> None:
     assert p.decode(p.encode(p.Hello(good, "org/model", 0))) == p.Hello(good, "org/model", 0)
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "a b", "nul\x00", "x" * 257, "é", ".", ".."])
+@pytest.mark.parametrize("bad", ["", "a/b", "a b", "nul\x00", "x" * 257, "é", ".", "..", "e1\n"])
 def test_bad_engine_ids_are_refused_by_protocol_and_flag(bad: str) -> None:
     with pytest.raises(ValueError):
         ids.check_engine_id(bad)
@@ -67,7 +69,8 @@ def test_models_are_bounded_and_the_default_engine_id_is_checked() -> None:
     add_flags(parser)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    config = config_from_args(parser.parse_args(["--host", "10.0.0.1", "--port", "8000"]))
-    assert config.engine_id == "10.0.0.1:8000"
-    with pytest.raises(ValueError, match="--output-rate-engine-id"):
-        config_from_args(parser.parse_args(["--host", "bad host", "--port", "8000"]))
+    # The default id is the machine's name and the port, whatever --host binds.
+    for host in ("10.0.0.1", "bad host"):
+        config = config_from_args(parser.parse_args(["--host", host, "--port", "8000"]))
+        assert config.engine_id == default_engine_id(8000)
+        assert ids.check_engine_id(config.engine_id)

@@ -53,3 +53,20 @@ def test_effective_resolves_the_users_record() -> None:
     assert model.effective("a") == model.resolve("pro", Policy(enforcement="shadow"))
     assert model.effective("nobody") == model.unconfigured
     assert model.members == {"pro": {"a"}}
+
+
+def test_the_ceiling_inherits_like_the_rate_and_borrows_nothing_at_or_below_it() -> None:
+    model = LimitModel(
+        Policy(20, ceiling=100), {"pro": Policy(50, ceiling=300), "flat": Policy(50)}
+    )
+    assert model.resolve(None, NO_POLICY).ceiling == 100  # the default's
+    assert model.resolve("pro", NO_POLICY).ceiling == 300  # its tier's
+    assert model.resolve("pro", Policy(ceiling=400)).ceiling == 400  # its own
+    assert model.resolve("flat", NO_POLICY).ceiling == 100  # the tier sets none
+    # An override above the inherited ceiling: nothing left to borrow.
+    assert model.resolve(None, Policy(150)).ceiling is None
+    assert model.resolve(None, Policy(100)).ceiling is None
+    # Unlimited users borrow nothing either.
+    assert LimitModel(Policy(None, ceiling=100)).resolve(None, NO_POLICY).ceiling is None
+    # No ceiling anywhere: the rate is a hard limit.
+    assert LimitModel(Policy(20)).resolve(None, NO_POLICY).ceiling is None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from output_rate_core import ids
 from output_rate_core import protocol as p
+from output_rate_core.outage import OutagePolicy
 from output_rate_core.policy import Policy
 
 MESSAGES: list[p.Message] = [
@@ -37,6 +39,9 @@ MESSAGES: list[p.Message] = [
     ),
     p.KeyUse("engine-1", {"abcdefgh2345": 1_790_000_000.5}),
     p.Goodbye(),
+    p.Refused("engine_id_in_use", "'engine-1' is held by the live connection from 10.0.0.1"),
+    p.Leaving("engine-1"),
+    p.Leaving("engine-1", "api"),
     p.Ack("engine-1", 13),
     p.Heartbeat(13),
     p.Heartbeat(13, "engine-1", "tiny"),
@@ -61,8 +66,29 @@ MESSAGES: list[p.Message] = [
             p.SetDefault(1, enforcement="shadow"),
         ],
     ),
+    p.Snapshot(
+        version=16,
+        default_rate=5,
+        tiers={"free": 20, "pro": None},
+        users={"a": ("free", None), "b": (None, 5)},
+        default_ceiling=10,
+        tier_ceilings={"free": 1_000_000},
+        user_ceilings={"b": 6},
+    ),
+    p.Delta(
+        17,
+        [
+            p.SetUser("a", None, 5, ceiling=9),
+            p.SetTier("free", 30, enforcement="shadow", ceiling=40),
+            p.SetDefault(1, ceiling=1),
+            p.SetDefault(None),
+        ],
+    ),
     p.Resync("engine-1", 11),
     p.Resync("engine-1", 11, role="api"),
+    p.Hello("engine-1", "tiny", 7, vllm_version="0.34.0"),
+    p.Hello("engine-1", "tiny", 7, role="api", vllm_version="0.33.0rc1.dev4+g2b0f.cpu"),
+    p.Hello("engine-1", "tiny", 7, vllm_version="1" * ids.MAX_VLLM_VERSION_LEN),
 ]
 
 
@@ -82,11 +108,25 @@ def test_ops_are_tagged_as_in_the_change_log() -> None:
             "rate": None,
             "scope": None,
             "enforcement": "shadow",
+            "ceiling": 8,
         },
         {"op": "delete_user", "user": "a"},
-        {"op": "set_tier", "name": "free", "rate": 3, "scope": "engine", "enforcement": None},
+        {
+            "op": "set_tier",
+            "name": "free",
+            "rate": 3,
+            "scope": "engine",
+            "enforcement": None,
+            "ceiling": None,
+        },
         {"op": "delete_tier", "name": "free"},
-        {"op": "set_default", "rate": None, "scope": "fleet", "enforcement": "enforce"},
+        {
+            "op": "set_default",
+            "rate": None,
+            "scope": "fleet",
+            "enforcement": "enforce",
+            "ceiling": None,
+        },
     ]
     ops = p.ops_from_rows(rows)
     assert [type(op) for op in ops] == [
@@ -98,41 +138,52 @@ def test_ops_are_tagged_as_in_the_change_log() -> None:
     ]
     # The server sends typed ops; their encoding is exactly the stored rows.
     assert msgspec.json.decode(msgspec.json.encode(ops)) == rows
-    # Rows written before scopes (or enforcement) existed read as "inherit".
+    # Rows written before scopes (or enforcement, or ceilings) existed read as "inherit".
     assert p.ops_from_rows([{"op": "set_user", "user": "a", "tier": None, "rate": 5}]) == [
         p.SetUser("a", None, 5, None)
     ]
+    old_default = {"op": "set_default", "rate": 5, "scope": None, "enforcement": "shadow"}
+    assert p.ops_from_rows([old_default]) == [p.SetDefault(5, None, "shadow", None)]
 
 
 def test_policies_travel_as_the_flat_fields_they_always_had() -> None:
     """Ops and snapshots built from policies encode exactly as the flat fields did (a
     rolling upgrade mixes builds; stored config_changes rows must keep decoding)."""
-    pro = Policy(3, "engine", None)
+    pro = Policy(3, "engine", None, 12)
     shadow = Policy(None, None, "shadow")
     ops: list[p.Op] = [
         p.SetUser.of("a", "free", shadow),
         p.SetTier.of("free", pro),
-        p.SetDefault.of(Policy(None, "fleet", "enforce")),
+        p.SetDefault.of(Policy(None, "fleet", "enforce", 7)),
     ]
     assert ops == [
         p.SetUser("a", "free", None, None, "shadow"),
-        p.SetTier("free", 3, "engine", None),
-        p.SetDefault(None, "fleet", "enforce"),
+        p.SetTier("free", 3, "engine", None, 12),
+        p.SetDefault(None, "fleet", "enforce", 7),
     ]
-    assert [op.policy for op in ops] == [shadow, pro, Policy(None, "fleet", "enforce")]
-    snapshot = p.Snapshot.of(7, Policy(5, "engine"), {"free": pro}, {"a": ("free", shadow)})
+    assert [op.policy for op in ops] == [shadow, pro, Policy(None, "fleet", "enforce", 7)]
+    borrower = Policy(4, None, None, 9)
+    snapshot = p.Snapshot.of(
+        7,
+        Policy(5, "engine", None, 6),
+        {"free": pro},
+        {"a": ("free", shadow), "b": (None, borrower)},
+    )
     assert snapshot == p.Snapshot(
         7,
         5,
         {"free": 3},
-        {"a": ("free", None)},
+        {"a": ("free", None), "b": (None, 4)},
         default_scope="engine",
         tier_scopes={"free": "engine"},
         user_enforcements={"a": "shadow"},
+        default_ceiling=6,
+        tier_ceilings={"free": 12},
+        user_ceilings={"b": 9},
     )
-    assert snapshot.default_policy == Policy(5, "engine")
+    assert snapshot.default_policy == Policy(5, "engine", None, 6)
     assert snapshot.tier_policies() == {"free": pro}
-    assert snapshot.user_policies() == {"a": ("free", shadow)}
+    assert snapshot.user_policies() == {"a": ("free", shadow), "b": (None, borrower)}
 
 
 def _frame(kind: int, payload: object) -> bytes:
@@ -176,8 +227,37 @@ BAD_FRAMES = {
             "would_throttle": {"u": -1},
         },
     ),
+    **{
+        f"hello vllm version {name}": _frame(
+            p.HELLO, {"engine_id": "e", "model": "m", "version": 0, "vllm_version": version}
+        )
+        for name, version in [
+            ("too long", "1" * (ids.MAX_VLLM_VERSION_LEN + 1)),
+            ("with a space", "0.32.0 cpu"),
+            ("with a newline", "0.32.0\n"),
+            ("with a slash", "0.32.0/../x"),
+            ("not a string", 32),
+        ]
+    },
     "bad enforcement": _frame(
         p.DELTA, {"version": 2, "ops": [{"op": "set_default", "enforcement": "dry"}]}
+    ),
+    **{
+        f"ceiling {name}": _frame(p.DELTA, {"version": 2, "ops": [op]})
+        for name, op in [
+            ("zero", {"op": "set_default", "ceiling": 0}),
+            ("huge", {"op": "set_tier", "name": "t", "ceiling": 10**7}),
+            ("fractional", {"op": "set_user", "user": "u", "ceiling": 1.5}),
+            ("a string", {"op": "set_user", "user": "u", "ceiling": "5"}),
+        ]
+    },
+    "snapshot user ceiling zero": _frame(
+        p.SNAPSHOT,
+        {"version": 1, "default_rate": 5, "tiers": {}, "users": {}, "user_ceilings": {"u": 0}},
+    ),
+    "snapshot tier ceiling null": _frame(
+        p.SNAPSHOT,
+        {"version": 1, "default_rate": 5, "tiers": {}, "users": {}, "tier_ceilings": {"t": None}},
     ),
     "usage zero interval": _frame(
         p.USAGE, {"engine_id": "e", "interval_s": 0.0, "granted": {}, "throttled": {}}
@@ -266,6 +346,50 @@ def test_usage_would_throttle_is_bounded_like_throttled() -> None:
     assert p.decode(p.encode(p.Usage("e", 2.0, {}, {}, would_throttle=at))).would_throttle == at  # type: ignore[union-attr]
 
 
+def test_usage_borrowed_is_bounded_like_granted() -> None:
+    at = {"u": int(p.MAX_ENGINE_TOKENS_PER_S * 2.0)}
+    report = p.decode(p.encode(p.Usage("e", 2.0, dict(at), {}, borrowed=at)))
+    assert isinstance(report, p.Usage) and report.borrowed_counts == at
+    over = {"u": int(p.MAX_ENGINE_TOKENS_PER_S * 2.0) + 2}
+    with pytest.raises(p.ProtocolError, match="lends more tokens"):
+        p.decode(p.encode(p.Usage("e", 2.0, {}, {}, borrowed=over)))
+    many = {f"u{i}": 1 for i in range(p.MAX_USAGE_USERS + 1)}
+    with pytest.raises(p.ProtocolError, match="too many"):
+        p.decode(p.encode(p.Usage("e", 100.0, {}, {}, borrowed=many)))
+
+
+class _UsageBeforeBorrowing(msgspec.Struct, frozen=True):
+    """p.Usage as peers built before borrowed tokens were reported."""
+
+    engine_id: str
+    interval_s: float
+    granted: dict[str, int]
+    throttled: dict[str, int]
+    part: int = 0
+    num_parts: int = 1
+    would_throttle: dict[str, int] = {}
+
+
+def test_usage_with_nothing_borrowed_is_the_frame_it_was_and_old_frames_decode() -> None:
+    old = _UsageBeforeBorrowing("e", 1.5, {"a": 30, "b": 2}, {"b": 1}, would_throttle={"a": 4})
+    new = p.Usage("e", 1.5, {"a": 30, "b": 2}, {"b": 1}, would_throttle={"a": 4})
+    # Not borrowing, or an empty map: the bytes of an engine from before the field.
+    assert p.encode(new)[1:] == msgspec.msgpack.encode(old)
+    assert p.encode(p.Usage("e", 1.5, {"a": 30, "b": 2}, {"b": 1}, 0, 1, {"a": 4}, {})) == (
+        p.encode(new)
+    )
+    # An old engine's frame decodes as nothing borrowed.
+    decoded = p.decode(_frame(p.USAGE, old))
+    assert decoded == new
+    assert isinstance(decoded, p.Usage) and decoded.borrowed_counts == {}
+    # A control plane from before the field reads a new engine's frame, less the field.
+    lent = p.Usage("e", 1.5, {"a": 30}, {}, borrowed={"a": 10})
+    assert msgspec.msgpack.decode(p.encode(lent)[1:], type=_UsageBeforeBorrowing) == (
+        _UsageBeforeBorrowing("e", 1.5, {"a": 30}, {})
+    )
+    assert p.decode(p.encode(lent)) == lent
+
+
 def test_peers_without_enforcement_decode_as_inherit_and_empty() -> None:
     """Frames of peers that predate shadow limits (no enforcement, no would_throttle)."""
     usage = p.decode(
@@ -277,6 +401,76 @@ def test_peers_without_enforcement_decode_as_inherit_and_empty() -> None:
     )
     assert isinstance(snapshot, p.Snapshot)
     assert (snapshot.default_enforcement, snapshot.tier_enforcements) == (None, {})
+
+
+def test_peers_without_ceilings_decode_as_no_borrowing() -> None:
+    """Frames of a control plane that predates ceilings: nothing is borrowed."""
+    snapshot = p.decode(
+        _frame(
+            p.SNAPSHOT,
+            {
+                "version": 1,
+                "default_rate": 5,
+                "tiers": {"t": 3},
+                "users": {"u": ["t", 2]},
+                "default_enforcement": "shadow",
+            },
+        )
+    )
+    assert isinstance(snapshot, p.Snapshot)
+    assert (snapshot.default_ceiling, snapshot.tier_ceilings, snapshot.user_ceilings) == (
+        None,
+        {},
+        {},
+    )
+    assert snapshot.user_policies() == {"u": ("t", Policy(2))}
+    delta = p.decode(
+        _frame(
+            p.DELTA,
+            {
+                "version": 2,
+                "ops": [
+                    {"op": "set_user", "user": "u", "tier": None, "rate": 5, "scope": "engine"},
+                    {"op": "set_tier", "name": "t", "rate": 3, "enforcement": "shadow"},
+                    {"op": "set_default", "rate": 4},
+                ],
+            },
+        )
+    )
+    assert isinstance(delta, p.Delta)
+    assert [op.policy for op in delta.ops] == [  # type: ignore[union-attr]
+        Policy(5, "engine"),
+        Policy(3, None, "shadow"),
+        Policy(4),
+    ]
+
+
+def test_an_engine_that_predates_ceilings_reads_new_frames() -> None:
+    """An older engine's structs (no ceiling fields) decode what a new control plane
+    sends: the unknown fields are skipped, so it enforces the rates and borrows nothing."""
+
+    class OldSetUser(msgspec.Struct, frozen=True, tag_field="op", tag="set_user"):
+        user: str
+        tier: str | None = None
+        rate: int | None = None
+        scope: str | None = None
+        enforcement: str | None = None
+
+    class OldSnapshot(msgspec.Struct, frozen=True):
+        version: int
+        default_rate: int | None
+        tiers: dict[str, int | None]
+        users: dict[str, tuple[str | None, int | None]]
+        default_enforcement: str | None = None
+
+    op = msgspec.msgpack.encode(p.SetUser("u", None, 5, "engine", None, 9))
+    assert msgspec.msgpack.decode(op, type=OldSetUser) == OldSetUser("u", None, 5, "engine")
+    frame = p.encode(
+        p.Snapshot.of(3, Policy(5, None, "shadow", 8), {}, {"u": (None, Policy(6, None, None, 7))})
+    )
+    assert msgspec.msgpack.decode(frame[1:], type=OldSnapshot) == OldSnapshot(
+        3, 5, {}, {"u": (None, 6)}, "shadow"
+    )
 
 
 def test_bad_rows_in_the_change_log_are_refused() -> None:
@@ -295,6 +489,22 @@ def test_a_large_snapshot_fits() -> None:
     assert p.decode(frame) == snap
 
 
+def test_a_hello_of_an_engine_that_predates_vllm_versions_decodes_as_unknown() -> None:
+    old_hello = _frame(p.HELLO, {"engine_id": "e1", "model": "m", "version": 3, "role": "api"})
+    assert p.decode(old_hello) == p.Hello("e1", "m", 3, p.API_ROLE, vllm_version="")
+
+
+def test_a_control_plane_that_predates_vllm_versions_reads_a_new_hello() -> None:
+    class OldHello(msgspec.Struct, frozen=True):
+        engine_id: str
+        model: str
+        version: int
+        role: str = "engine"
+
+    frame = p.encode(p.Hello("e1", "m", 3, vllm_version="0.34.0"))
+    assert msgspec.msgpack.decode(frame[1:], type=OldHello) == OldHello("e1", "m", 3)
+
+
 def test_heartbeat_and_resync_name_their_role_and_default_to_the_engine() -> None:
     # A peer that predates roles (no "role" key) is an engine core.
     old_beat = _frame(p.HEARTBEAT, {"version": 3, "engine_id": "e1", "model": "m"})
@@ -307,3 +517,49 @@ def test_heartbeat_and_resync_name_their_role_and_default_to_the_engine() -> Non
     ):
         with pytest.raises(p.ProtocolError):
             p.decode(_frame(kind, payload))
+
+
+def test_a_shares_frame_of_a_control_plane_before_outage_policies_decodes_as_serving() -> None:
+    # What an older control plane sends: no policy, no serving counts. The engine then does
+    # what it did before: the safe share of the whole fleet at lease end.
+    old = {"epoch": 3, "seq": 1, "lease_ms": 5000, "num_engines": 2, "full": True}
+    message = p.decode(_frame(p.SHARES, {**old, "shares": {"a": 20_000}}))
+    assert isinstance(message, p.Shares)
+    assert (message.outage, message.serving) == ("serving", {})
+    assert message.outage_policy == OutagePolicy()
+
+
+def test_an_older_engine_reads_a_shares_frame_with_a_policy_and_counts() -> None:
+    class OldShares(msgspec.Struct, frozen=True):
+        epoch: int
+        seq: int
+        lease_ms: int
+        num_engines: int
+        full: bool
+        shares: dict[str, int]
+
+    new = p.Shares(3, 1, 5000, 2, True, {"a": 20_000}, "keep", 30_000, serving={"a": 2})
+    assert p.decode(p.encode(new)) == new
+    old = msgspec.msgpack.decode(p.encode(new)[1:], type=OldShares)
+    assert old == OldShares(3, 1, 5000, 2, True, {"a": 20_000})
+    # A renewal under the default policy costs the bytes it did before the policy.
+    renewal = p.encode(p.Shares(3, 2, 5000, 2, False, {}))
+    assert renewal[1:] == msgspec.msgpack.encode(OldShares(3, 2, 5000, 2, False, {}))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"outage": "drop"},
+        {"outage": "keep"},  # no keep time
+        {"outage": "fraction"},  # no fraction
+        {"outage": "fraction", "outage_fraction": 1.5},
+        {"outage": "serving", "outage_keep_ms": 5000},
+        {"outage_keep_ms": -1},
+        {"serving": {"a": 0}},
+    ],
+)
+def test_a_shares_frame_with_a_bad_policy_or_count_is_refused(fields: dict[str, object]) -> None:
+    base = {"epoch": 3, "seq": 1, "lease_ms": 5000, "num_engines": 2, "full": True, "shares": {}}
+    with pytest.raises(p.ProtocolError, match="Shares"):
+        p.decode(_frame(p.SHARES, {**base, **fields}))

@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.servers import ROOT, free_port
+
+pytestmark = pytest.mark.e2e
 
 PHASE_S = 6
 TIER_RATE = 20  # the demo's tier "free"

@@ -3,15 +3,18 @@ no console errors, and no request to anything but 127.0.0.1."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect
 
-from harness.servers import ControlPlane
+from harness.control_plane import fresh_database
+from harness.servers import ControlPlane, free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -36,11 +39,19 @@ class Watched:
 
 @contextmanager
 def watched_page(
-    browser: Browser, viewport: dict[str, int] = DESKTOP, *, refusals: tuple[int, ...] = ()
+    browser: Browser,
+    viewport: dict[str, int] = DESKTOP,
+    *,
+    refusals: tuple[int, ...] = (),
+    outage: bool = False,
 ) -> Iterator[Watched]:
     """`refusals`: HTTP statuses the test makes the server answer; Chromium logs each as a
-    console error ("Failed to load resource"), which is then not counted."""
+    console error ("Failed to load resource"), which is then not counted. `outage`: the
+    test stops the server under the page, so requests the page sends meanwhile fail
+    (logged the same way, and not counted either)."""
     expected = tuple(f"the server responded with a status of {status} " for status in refusals)
+    if outage:
+        expected += ("net::ERR_CONNECTION_REFUSED",)
     context = browser.new_context(viewport=viewport)  # type: ignore[arg-type]
     page = context.new_page()
     watched = Watched(page)
@@ -73,3 +84,24 @@ def sign_in(page: Page, served: ControlPlane, view: str = "overview") -> None:
     page.get_by_role("button", name="Use token").click()
     expect(page.locator("#role")).to_be_visible()
     expect(page.locator(f'#view[data-ready="{view}"]')).to_have_count(1)
+
+
+def shot(page: Page, name: str) -> None:
+    """A screenshot of the page as `name`.png in OUTPUT_RATE_UI_SCREENSHOTS (docs/screenshots
+    when regenerating the docs' pictures); none when it is not set."""
+    out = os.environ.get("OUTPUT_RATE_UI_SCREENSHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(out) / f"{name}.png"))
+
+
+@contextmanager
+def served_on_sqlite(tmp: Path) -> Iterator[ControlPlane]:
+    """A control plane of its own on a fresh SQLite database in ``tmp``, killed after."""
+    with fresh_database("sqlite", tmp) as url:
+        server = ControlPlane(tmp / "cp.log", url, free_port(), free_port())
+        server.wait_ready()
+        try:
+            yield server
+        finally:
+            server.kill()

@@ -75,9 +75,48 @@ def write_history(
         db.dispose()
 
 
+class Backdated:
+    """The real recorder on a fake clock (the one seam: it stands for the control plane's
+    clock) that ``seconds`` sets to each second of the last ``minutes`` minutes in turn,
+    so that reports can be placed in the past around real changes made through the API."""
+
+    def __init__(self, db_url: str, *, minutes: int) -> None:
+        self.db = Database(make_engine(db_url))
+        self.now = time.time()
+        # The first second ``seconds`` sets the clock to.
+        self.start = self.now - minutes * 60
+        self._clock = [self.start]
+        self.recorder = UsageRecorder(self.db, retention_days=7, clock=lambda: self._clock[0])
+
+    def seconds(self) -> Iterator[float]:
+        """Each second from ``start`` up to now, the clock set to it while the caller adds
+        its reports; the recorder flushed after every minute and at the end, and the
+        database let go of (also when the caller stops on an error)."""
+        try:
+            self.recorder.refresh_limits()
+            for ago in range(round(self.now - self.start), 0, -1):
+                self._clock[0] = self.now - ago
+                yield self._clock[0]
+                if ago % 60 == 0:
+                    self.recorder.flush()
+            self.recorder.flush()
+        finally:
+            self.db.dispose()
+
+
 @contextmanager
-def live_engine(served: ControlPlane, engine_id: str, users: dict[str, int]) -> Iterator[None]:
-    """A connected engine that reports usage for `users` (tokens/s) every 0.5 s."""
+def live_engine(
+    served: ControlPlane,
+    engine_id: str,
+    users: dict[str, int],
+    *,
+    applies_deltas: bool = True,
+    borrowed: dict[str, int] | None = None,
+) -> Iterator[None]:
+    """A connected engine that reports usage for `users` (tokens/s) every 0.5 s, of them
+    `borrowed` (tokens/s lent beyond the limit); one that does not `applies_deltas`
+    acknowledges its snapshot and nothing after (it lags)."""
+    lent = {u: max(1, r // 2) for u, r in (borrowed or {}).items()}
     stop = threading.Event()
     ready = threading.Event()
 
@@ -92,14 +131,16 @@ def live_engine(served: ControlPlane, engine_id: str, users: dict[str, int]) -> 
             while not stop.is_set():
                 while sock.poll(0):
                     message = p.decode(sock.recv())
-                    if isinstance(message, p.Snapshot | p.Delta):
+                    if isinstance(message, p.Snapshot) or (
+                        applies_deltas and isinstance(message, p.Delta)
+                    ):
                         version = message.version
                         sock.send(p.encode(p.Ack(engine_id, version)))
                         ready.set()
                 sock.send(p.encode(p.Heartbeat(version, engine_id, "tiny")))
                 granted = {u: max(1, r // 2) for u, r in users.items()}
                 throttled = {u: 3 for u in list(users)[:3]}
-                sock.send(p.encode(p.Usage(engine_id, 0.5, granted, throttled)))
+                sock.send(p.encode(p.Usage(engine_id, 0.5, granted, throttled, borrowed=lent)))
                 stop.wait(0.5)
         finally:
             sock.close()

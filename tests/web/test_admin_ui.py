@@ -23,7 +23,7 @@ from control_plane.usage.history import UsageRecorder
 from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
 from output_rate_core import protocol as p
-from tests.web.browser import DESKTOP, PHONE, watched_page
+from tests.web.browser import DESKTOP, PHONE, shot, watched_page
 from tests.web.fleet import api_server, live_engine, seed, write_history
 
 TOKEN = ControlPlane.TOKEN
@@ -155,6 +155,11 @@ def test_the_scope_selects_save_and_the_user_page_says_where_its_scope_comes_fro
     expect(admin.locator("#user-received")).to_have_text("no engine reports it")
     admin.select_option("#user-scope", "engine")
     admin.get_by_role("button", name="Save user scoper").click()
+    # A scope move is confirmed with what it does, as the server previews it.
+    dialog = admin.locator("#confirm")
+    expect(dialog.locator("#confirm-title")).to_have_text("Change the scope of scoper?")
+    expect(dialog).to_contain_text("Scope fleet → engine: each engine enforces the rate in full")
+    dialog.get_by_role("button", name="Save user scoper").click()
     toast(admin).to_contain_text("scope inherit → engine; now 8 tok/s (engine scope)")
     after = limit(served, "scoper")
     assert (after["scope"], after["effective_scope"]) == ("engine", "engine")
@@ -167,6 +172,9 @@ def test_the_scope_selects_save_and_the_user_page_says_where_its_scope_comes_fro
     admin.get_by_role("button", name="Edit tier basic").click()
     admin.select_option("#edit-scope", "engine")
     admin.get_by_role("button", name="Save tier basic").click()
+    expect(dialog.locator("#confirm-title")).to_have_text("Change the scope of tier basic?")
+    expect(dialog).to_contain_text("scope fleet → engine")
+    dialog.get_by_role("button", name="Set the scope of basic to engine").click()
     toast(admin).to_contain_text("Tier basic: scope inherit → engine")
     expect(admin.locator('#tiers tr[data-tier="basic"]')).to_contain_text("engine")
     assert tier(served, "basic")["scope"] == "engine"
@@ -194,6 +202,10 @@ def test_the_enforcement_selects_save_and_the_user_page_shows_what_shadow_would_
     expect(admin.locator("#user-enforcement")).to_have_value("")
     admin.select_option("#user-enforcement", "shadow")
     admin.get_by_role("button", name="Save user shadowy").click()
+    dialog = admin.locator("#confirm")
+    expect(dialog.locator("#confirm-title")).to_have_text("Put shadowy in shadow?")
+    expect(dialog).to_contain_text("shadowy: 8 tok/s enforced → unlimited (shadow 8 tok/s)")
+    dialog.get_by_role("button", name="Save user shadowy").click()
     toast(admin).to_contain_text("enforcement inherit → shadow")
     after = limit(served, "shadowy")
     assert (after["enforcement"], after["effective_enforcement"]) == ("shadow", "shadow")
@@ -210,6 +222,8 @@ def test_the_enforcement_selects_save_and_the_user_page_shows_what_shadow_would_
     admin.get_by_role("button", name="Edit tier basic").click()
     admin.select_option("#edit-enforcement", "shadow")
     admin.get_by_role("button", name="Save tier basic").click()
+    expect(dialog.locator("#confirm-title")).to_have_text("Put tier basic in shadow?")
+    dialog.get_by_role("button", name="Set the enforcement of basic to shadow").click()
     toast(admin).to_contain_text("Tier basic: enforcement inherit → shadow")
     expect(admin.locator('#tiers tr[data-tier="basic"]')).to_contain_text("(shadow)")
     assert tier(served, "basic")["enforcement"] == "shadow"
@@ -241,6 +255,76 @@ def test_the_enforcement_selects_save_and_the_user_page_shows_what_shadow_would_
         },
     )
     api(served, "DELETE", "/limits/shadowy")
+
+
+def test_the_ceiling_fields_save_and_the_user_page_says_what_it_borrows(
+    browser: Browser, served: ControlPlane
+) -> None:
+    ceiling = "ceiling_output_tokens_per_second"
+    api(served, "PUT", "/limits/borrower", json={"tier": "basic"})
+    # A ceiling below the rate is refused by the server (its 422 is expected).
+    with watched_page(browser, refusals=(422,)) as watched:
+        admin = watched.page
+        sign_in(admin, served)
+        admin.goto(f"{served.url}/ui/#/users/borrower")
+        effective = admin.locator("#user-ceiling-effective")
+        expect(effective).to_have_text("none: the rate is a hard limit")
+        expect(admin.locator("#user-ceiling-none")).to_be_checked()
+        # Below its rate (basic's 50): the server's 422, next to the field; nothing saved.
+        admin.fill("#user-ceiling-rate", "40")
+        admin.get_by_role("button", name="Save user borrower").click()
+        form = admin.locator("#user-form")
+        expect(form.locator(".field-error")).to_contain_text("below the effective rate 50")
+        assert limit(served, "borrower")[ceiling] is None
+        admin.fill("#user-ceiling-rate", "80")
+        admin.get_by_role("button", name="Save user borrower").click()
+        toast(admin).to_contain_text("ceiling inherit → 80 tok/s")
+        after = limit(served, "borrower")
+        assert (after[ceiling], after[f"effective_{ceiling}"]) == (80, 80)
+        assert (after["tier"], after["output_tokens_per_second"]) == ("basic", None)
+        expect(effective).to_have_text(
+            "up to 80 tok/s when no other user needs the capacity (its own)"
+        )
+        effective.evaluate("e => e.scrollIntoView({block: 'start'})")
+        shot(admin, "user-borrowing")
+
+        # A tier's, from its edit form (no confirmation: it holds nobody to less); the list
+        # shows it.
+        admin.goto(f"{served.url}/ui/#/tiers")
+        admin.get_by_role("button", name="Edit tier basic").click()
+        expect(admin.locator("#edit-ceiling-none")).to_be_checked()
+        admin.fill("#edit-ceiling-rate", "70")
+        admin.get_by_role("button", name="Save tier basic").click()
+        toast(admin).to_contain_text("Tier basic: ceiling inherit → 70 tok/s")
+        assert tier(served, "basic")[ceiling] == 70
+        expect(admin.locator('#tiers tr[data-tier="basic"]')).to_contain_text(
+            "borrows up to 70 tok/s"
+        )
+
+        # The default's: its PUT keeps the rate, scope and enforcement.
+        before = api(served, "GET", "/default-limit").json()
+        admin.fill("#default-ceiling-rate", "9")
+        admin.get_by_role("button", name="Save default limit").click()
+        dialog = admin.locator("#confirm")
+        expect(dialog).to_contain_text("borrowing ceiling none → 9 tok/s")
+        dialog.get_by_role("button", name="Set the default ceiling to 9 tok/s").click()
+        toast(admin).to_contain_text("Default limit: borrowing ceiling none → 9 tok/s")
+        now = api(served, "GET", "/default-limit").json()
+        assert now[ceiling] == 9
+        kept = ("output_tokens_per_second", "scope", "enforcement")
+        assert {k: now[k] for k in kept} == {k: before[k] for k in kept}
+        expect(admin.locator("#default-current")).to_contain_text("borrowing up to 9 tok/s")
+
+        # The user without its own inherits its tier's, and the page says from where.
+        api(served, "PATCH", "/limits/borrower", json={ceiling: None})
+        admin.goto(f"{served.url}/ui/#/users/borrower")
+        expect(effective).to_have_text(
+            "up to 70 tok/s when no other user needs the capacity "
+            "(inherited from tier basic: 70 tok/s)"
+        )
+        api(served, "PATCH", "/tiers/basic", json={ceiling: None})
+        api(served, "PUT", "/default-limit", json={k: before[k] for k in kept})
+        api(served, "DELETE", "/limits/borrower")
 
 
 def test_the_user_page_shows_the_rate_engines_report_now(admin: Page, served: ControlPlane) -> None:
@@ -411,7 +495,7 @@ def test_bulk_import_previews_what_it_replaces(browser: Browser, served: Control
         admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nbulk-bad,,fast")
         admin.get_by_role("button", name="Preview and import").click()
         expect(admin.locator("#bulk-form .field-error")).to_contain_text(
-            "Line 3: Rate: 'fast' is not a whole number"
+            "Line 3: Rate 'fast' is not a whole number"
         )
         # user-00004's line is its stored record (seeded in pro): not counted as replaced.
         admin.fill("#bulk-text", "user-00003,free,\nbulk-new,,12\nuser-00004,pro")
@@ -728,8 +812,11 @@ def test_an_api_key_is_shown_once_authenticates_and_is_revoked_after_confirmatio
         # The engines view says which config version the API server's keys are of.
         version = api(served, "GET", "/engines").json()["version"]
         admin.goto(f"{served.url}/ui/#/engines")
-        cell = admin.locator('#engines tr[data-engine="keys-engine"] td').nth(4)
-        expect(cell).to_have_text(f"keys of {version}")
+        row = admin.locator('#engines tr[data-engine="keys-engine"]')
+        expect(row.locator('td[data-label="API server"]')).to_have_text(f"keys of {version}")
+        # Its engine core never connected: no vLLM said, and no mix of releases to tell.
+        expect(row.locator('td[data-label="vLLM"]')).to_have_text("unknown")
+        expect(admin.locator("#vllm-releases")).to_have_count(0)
         admin.go_back()
     # The user's audit trail names the key, never its secret.
     audit = admin.locator("#audit")
@@ -930,6 +1017,9 @@ def test_keyboard_only(admin: Page, served: ControlPlane) -> None:
     admin.goto(f"{served.url}/ui/#/tiers")
     admin.get_by_role("button", name="Edit tier pro").focus()
     admin.keyboard.press("Enter")
+    # The form is drawn from the tier as the server has it now (with its ETag), then its
+    # heading takes the focus.
+    expect(admin.locator("#tier-edit-title")).to_be_focused()
     admin.keyboard.press("Tab")  # to the first radio ("Limit")
     admin.keyboard.press("Tab")
     admin.keyboard.type("7")

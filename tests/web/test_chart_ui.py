@@ -11,7 +11,6 @@ tests/control_plane/usage/."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,10 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from control_plane.db import Database, make_engine
-from control_plane.usage.history import UsageRecorder
-from harness.control_plane import fresh_database
-from harness.servers import ControlPlane, free_port
+from harness.servers import ControlPlane
 from output_rate_core import protocol as p
-from tests.web.browser import DESKTOP, PHONE, sign_in, watched_page
-from tests.web.fleet import live_engine, seed
+from tests.web.browser import DESKTOP, PHONE, served_on_sqlite, sign_in, watched_page
+from tests.web.fleet import Backdated, live_engine, seed
 
 HEADERS = ControlPlane.auth_headers()
 expect.set_options(timeout=30_000)
@@ -49,53 +45,36 @@ def write_reports(served: ControlPlane) -> None:
     """Per second for the last MINUTES minutes (through the current one): every user at
     its rate, throttled as a held user is; the limit of HELD changes in the middle of the
     minute that began 10 minutes ago."""
-    db = Database(make_engine(served.db_url))
-    now = time.time()
-    change_at = (int(now) // 60 - 10) * 60 + 30
-    clock = [now - MINUTES * 60]
-    recorder = UsageRecorder(db, retention_days=7, clock=lambda: clock[0])
-    try:
-        recorder.refresh_limits()
-        limit = 100
-        for ago in range(MINUTES * 60, 0, -1):
-            clock[0] = now - ago
-            if limit == 100 and clock[0] >= change_at:
-                api(served, "PATCH", f"/limits/{HELD}", json={"output_tokens_per_second": 45})
-                recorder.refresh_limits()
-                limit = 45
-            granted = {user: rate for user, rate in CLOSE_USERS.items()}
-            granted[HELD] = limit
-            granted[SHADOW] = 30
-            throttled = {user: 40 for user in (*CLOSE_USERS, HELD)}
-            recorder.add(p.Usage("e1", 1.0, granted, throttled, would_throttle={SHADOW: 12}))
-            if ago % 60 == 0:
-                recorder.flush()
-        recorder.flush()
-    finally:
-        db.dispose()
+    history = Backdated(served.db_url, minutes=MINUTES)
+    change_at = (int(history.now) // 60 - 10) * 60 + 30
+    limit = 100
+    for now in history.seconds():
+        if limit == 100 and now >= change_at:
+            api(served, "PATCH", f"/limits/{HELD}", json={"output_tokens_per_second": 45})
+            history.recorder.refresh_limits()
+            limit = 45
+        granted = {user: rate for user, rate in CLOSE_USERS.items()}
+        granted[HELD] = limit
+        granted[SHADOW] = 30
+        throttled = {user: 40 for user in (*CLOSE_USERS, HELD)}
+        history.recorder.add(p.Usage("e1", 1.0, granted, throttled, would_throttle={SHADOW: 12}))
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    tmp = tmp_path_factory.mktemp("chart-ui")
-    with fresh_database("sqlite", tmp) as url:
-        server = ControlPlane(tmp / "cp.log", url, free_port(), free_port())
-        server.wait_ready()
-        try:
-            seed(server)  # 4 tiers, 5,000 users
-            for user in CLOSE_USERS:
-                api(server, "PUT", f"/limits/{user}", json={"tier": "pro"})  # 100 tok/s
-            api(server, "PUT", f"/limits/{HELD}", json={"output_tokens_per_second": 100})
-            api(
-                server,
-                "PUT",
-                f"/limits/{SHADOW}",
-                json={"output_tokens_per_second": 20, "enforcement": "shadow"},
-            )
-            write_reports(server)
-            yield server
-        finally:
-            server.kill()
+    with served_on_sqlite(tmp_path_factory.mktemp("chart-ui")) as server:
+        seed(server)  # 4 tiers, 5,000 users
+        for user in CLOSE_USERS:
+            api(server, "PUT", f"/limits/{user}", json={"tier": "pro"})  # 100 tok/s
+        api(server, "PUT", f"/limits/{HELD}", json={"output_tokens_per_second": 100})
+        api(
+            server,
+            "PUT",
+            f"/limits/{SHADOW}",
+            json={"output_tokens_per_second": 20, "enforcement": "shadow"},
+        )
+        write_reports(server)
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +211,8 @@ def test_phone_tables_keep_every_column_on_screen(
         page.screenshot(path=str(shots / "chart-phone-users.png"))
         page.goto(f"{served.url}/ui/#/overview")
         expect(page.locator("#live-usage tbody tr")).to_have_count(10)
-        # Every column, Throttled and Would throttle too.
-        assert on_screen(page, "#live-usage td", width) == 50
+        # Every column, Borrowed, Throttled and Would throttle too.
+        assert on_screen(page, "#live-usage td", width) == 60
         assert on_screen(page, "#chart-legend td:not(:empty)", width) > 0
         assert page.evaluate("document.documentElement.scrollWidth") <= width
 

@@ -23,7 +23,7 @@ from playwright.sync_api import Browser, Page, Request, expect
 
 from harness.control_plane import fresh_database
 from harness.servers import ControlPlane, free_port
-from tests.web.browser import DESKTOP, PHONE, sign_in, watched_page
+from tests.web.browser import DESKTOP, PHONE, shot, sign_in, watched_page
 from tests.web.fleet import seed, write_history
 
 HEADERS = ControlPlane.auth_headers()
@@ -116,12 +116,48 @@ def test_tier_rate_change_confirmation_shows_the_cut_count(
         expect(page.locator("#preview-counts")).to_have_text(
             "30 users held to a lower rate, 0 to a higher one, 0 unchanged."
         )
+        # Titled by what changes, and worded as what holds whom: 30 -> 30 no more.
+        expect(dialog.locator("#confirm-title")).to_have_text("Enforce the limit of tier gold?")
         expect(page.locator("#preview-cuts li").first).to_have_text(
-            "gold-00: 500 tok/s (shadow) → 500 tok/s"
+            "gold-00: unlimited (shadow 500 tok/s) → 500 tok/s enforced"
         )
+        expect(dialog).not_to_contain_text("keep their own rate")
+        expect(page.locator("#preview-csv")).to_have_text("Download all 30 users as CSV")
+        shot(page, "preview-tier-enforce")
         dialog.get_by_role("button", name="Set the enforcement of gold to enforce").click()
         expect(page.locator("#toast")).to_contain_text("enforcement shadow → enforce")
     assert api(served, "GET", "/tiers/gold").json()["enforcement"] == "enforce"
+
+
+def test_the_users_held_back_now_come_first_and_the_full_list_downloads_as_csv(
+    browser: Browser, served: ControlPlane
+) -> None:
+    """Equal cuts are listed by user id, but a user who used more than the new limit in
+    the last hour is named before them; the CSV holds every listed user."""
+    api(served, "PUT", "/tiers/silver", json={"output_tokens_per_second": 100}).raise_for_status()
+    items = [{"user": f"silver-{i}", "tier": "silver"} for i in range(5)]
+    api(served, "POST", BULK, json={"items": items}).raise_for_status()
+    write_history(served.db_url, users=["silver-3"], minutes=5)  # 6-10 tok/s a minute
+    with watched_page(browser) as watched:
+        page = watched.page
+        sign_in(page, served, "tiers")
+        page.get_by_role("button", name="Edit tier silver").click()
+        page.fill("#edit-rate-rate", "5")
+        page.get_by_role("button", name="Save tier silver").click()
+        dialog = page.locator("#confirm")
+        expect(dialog.locator("#confirm-title")).to_have_text("Change the rate of tier silver?")
+        cuts = page.locator("#preview-cuts li")
+        expect(cuts).to_have_count(5)
+        expect(cuts.first).to_contain_text("silver-3: 100 tok/s → 5 tok/s; used up to")
+        expect(cuts.nth(1)).to_have_text("silver-0: 100 tok/s → 5 tok/s")
+        with page.expect_download() as download:
+            page.locator("#preview-csv").click()
+        lines = Path(download.value.path()).read_text().splitlines()
+        assert lines[0].startswith("user,change,before,after,")
+        assert sorted(line.split(",")[0] for line in lines[1:]) == [f"silver-{i}" for i in range(5)]
+        assert all(",down,100 tok/s,5 tok/s," in line for line in lines[1:])
+        dialog.get_by_role("button", name="Cancel").click()
+    assert api(served, "GET", "/tiers/silver").json()["output_tokens_per_second"] == 100
 
 
 def test_a_bad_csv_names_its_line_before_any_confirmation_and_writes_nothing(
@@ -129,7 +165,7 @@ def test_a_bad_csv_names_its_line_before_any_confirmation_and_writes_nothing(
 ) -> None:
     at = version(served)
     lines = [f"bad-{i},free" for i in range(1, 11)]
-    lines[6] = "bad-7,free,,,,extra"  # line 7: a sixth column
+    lines[6] = "bad-7,free,,,,,extra"  # line 7: a seventh column
     lines[8] = "bad-9,nope"  # line 9: an unknown tier
     with watched_page(browser, refusals=(422,)) as watched:
         page = watched.page
@@ -138,7 +174,7 @@ def test_a_bad_csv_names_its_line_before_any_confirmation_and_writes_nothing(
         page.fill("#bulk-text", "\n".join(lines))
         page.get_by_role("button", name="Preview and import").click()
         error = page.locator("#bulk-form .field-error")
-        expect(error).to_contain_text("Line 7: 6 fields; at most 5")
+        expect(error).to_contain_text("Line 7: 7 fields; at most 6")
         expect(error).to_contain_text("Line 9: Tier: unknown tier 'nope'")
         expect(page.locator("#bulk-text")).to_have_attribute("aria-invalid", "true")
         expect(page.locator("#confirm")).to_be_hidden()
@@ -205,7 +241,9 @@ def test_a_10000_line_import_previews_in_one_request_then_applies(
                 f"{math.floor(first_peak(expected) + 0.5)} tok/s in the last hour "
                 f"({first_minutes(expected)} minutes over)"
             )
-            expect(cuts.last).to_have_text(f"and {expected['num_down'] - 20:,} more")
+            expect(cuts.last).to_have_text(
+                f"and {expected['num_down'] - 20:,} more (in the CSV below)"
+            )
             expect(page.locator("#preview-dropped li").first).to_have_text(
                 "user-00005: 9,000 tok/s"
             )

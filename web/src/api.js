@@ -1,12 +1,17 @@
 // The REST API of the control plane that serves this page. Errors become ApiError
-// with the field the server named and a message in plain words.
+// with the field the server named and a message in plain words. Whether the control
+// plane answers at all is reported to connection.js (every view goes stale without it).
+// Writes of a user, a tier or the default carry the If-Match of the record as read
+// (docs/control-plane.md, "Versioned writes"): a 412 is a ConflictError.
 
+import { reached, unreachable } from "./connection.js";
 import { plural } from "./dom.js";
 
 const TOKEN_KEY = "output-rate-token";
 
 export const getToken = () => localStorage.getItem(TOKEN_KEY) || "";
 export const setToken = (token) => localStorage.setItem(TOKEN_KEY, token);
+export const forgetToken = () => localStorage.removeItem(TOKEN_KEY);
 
 export class ApiError extends Error {
   constructor(status, message, field = null) {
@@ -16,11 +21,38 @@ export class ApiError extends Error {
   }
 }
 
-// "line 3: tier: unknown tier 'x'" -> "Line 3: Tier: unknown tier 'x'" (a CSV body's errors).
+// 412: the record changed since it was read (its If-Match is stale); nothing was written.
+// currentVersion: the record's version now (null: it no longer exists).
+export class ConflictError extends ApiError {
+  constructor(message, currentVersion) {
+    super(412, message, null);
+    this.currentVersion = currentVersion;
+  }
+}
+
+const capital = (text) => text.charAt(0).toUpperCase() + text.slice(1);
+
+// "line 3: output_tokens_per_second: rate must be at least 1" -> "Line 3: Rate must be at
+// least 1" (the server says the field and its rule in words: control_plane/errors.py);
+// "line 9: tier: unknown tier 'x'" -> "Line 9: Tier: unknown tier 'x'".
 function lineMessage(error) {
   const reason = error.msg.replace(/^line \d+: [^:]+: /, "");
-  const what = error.field === "items" ? "" : `${FIELD_WORDS[error.field] || error.field}: `;
-  return `Line ${error.line}: ${what}${reason}`;
+  const what = FIELD_WORDS[error.field] || error.field;
+  const named = error.field === "items" || reason.startsWith(`${what.toLowerCase()} `);
+  return `Line ${error.line}: ${named ? capital(reason) : `${what}: ${reason}`}`;
+}
+
+// Over many bad lines, one line first saying which: "30 lines have errors: 3, 7, 12, …".
+// numMore: errors the server counted but did not list.
+const SHOWN_LINE_NUMBERS = 12;
+function linesSummary(errors, numMore) {
+  const lines = [...new Set(errors.map((e) => e.line))];
+  const shown = lines.slice(0, SHOWN_LINE_NUMBERS).join(", ");
+  const rest = lines.length > SHOWN_LINE_NUMBERS || numMore ? ", …" : "";
+  const count = numMore
+    ? `${plural(errors.length + numMore, "error")} on ${lines.length}+ lines`
+    : `${plural(lines.length, "line")} ${lines.length === 1 ? "has" : "have"} errors`;
+  return `${count}: ${shown}${rest}`;
 }
 
 const FIELD_WORDS = {
@@ -30,6 +62,7 @@ const FIELD_WORDS = {
   name: "Name",
   user: "User id",
   scope: "Scope",
+  ceiling_output_tokens_per_second: "Ceiling",
   target: "Target",
   target_kind: "Kind",
 };
@@ -57,17 +90,20 @@ export function plainMessage(status, data, retryAfterS = null) {
   // Every bad line of a text body, one per line of the message.
   if (first?.line) {
     const more = detail.match(/; and ([0-9]+) more errors$/);
-    return [...errors.map(lineMessage), ...(more ? [`and ${more[1]} more`] : [])].join("\n");
+    const numMore = more ? Number(more[1]) : 0;
+    return [
+      ...(errors.length > 1 || numMore ? [linesSummary(errors, numMore)] : []),
+      ...errors.map(lineMessage),
+      ...(numMore ? [`and ${numMore} more`] : []),
+    ].join("\n");
   }
   if (first) {
     const what = FIELD_WORDS[first.field] || first.field;
     if (first.field === "output_tokens_per_second" || /rate/.test(first.field)) {
       return `${what}: enter a whole number of tokens per second from 1 to 1,000,000.`;
     }
-    if (first.type === "string_pattern_mismatch")
-      return `${what}: contains characters that are not allowed.`;
-    if (first.type === "string_too_long") return `${what}: too long.`;
-    return `${what}: ${first.msg.replace(/^Value error, /, "")}.`;
+    // The server says the field and its rule ("user id may not contain '/', ...").
+    return `${capital(first.msg.replace(/^Value error, /, ""))}.`;
   }
   if (detail) {
     // "tier: unknown tier 'x'" -> "Tier: unknown tier 'x'"
@@ -78,20 +114,34 @@ export function plainMessage(status, data, retryAfterS = null) {
   return `The request failed (HTTP ${status}).`;
 }
 
-export async function api(method, path, body, { contentType = "application/json" } = {}) {
+// A request and its answer: {data, etag}. ifMatch: the ETag the record was read with
+// (a write of it is refused with a ConflictError if the record changed since).
+export async function request(
+  method,
+  path,
+  body,
+  { contentType = "application/json", ifMatch = null } = {},
+) {
   const headers = { Authorization: `Bearer ${getToken()}` };
   if (body !== undefined) headers["Content-Type"] = contentType;
+  if (ifMatch) headers["If-Match"] = ifMatch;
   let response;
   try {
     response = await fetch(path, {
       method,
       headers,
+      // The answers change under the page: never a cached one.
+      cache: "no-store",
       // A JSON body is encoded here; any other (text/csv) is sent as given.
       body: body === undefined || !/json/.test(contentType) ? body : JSON.stringify(body),
     });
   } catch (_) {
+    unreachable();
     throw new ApiError(0, "The control plane could not be reached. Is it running?");
   }
+  // A proxy in front of a stopped control plane answers 502-504 itself.
+  if ([502, 503, 504].includes(response.status)) unreachable();
+  else reached();
   if (!response.ok) {
     let data = null;
     try {
@@ -99,6 +149,11 @@ export async function api(method, path, body, { contentType = "application/json"
     } catch (_) {
       /* not JSON */
     }
+    if (response.status === 412)
+      throw new ConflictError(
+        "Changed by someone else since you opened it: nothing was saved.",
+        data?.current_version ?? null,
+      );
     // Whole seconds (RFC 9110 also allows a date, which this server does not send).
     const retryAfterS = Number.parseInt(response.headers.get("Retry-After") || "", 10) || null;
     throw new ApiError(
@@ -107,12 +162,17 @@ export async function api(method, path, body, { contentType = "application/json"
       data?.field,
     );
   }
-  return response.status === 204 ? null : response.json();
+  const data = response.status === 204 ? null : await response.json();
+  return { data, etag: response.headers.get("ETag") };
+}
+
+export async function api(method, path, body, options = {}) {
+  return (await request(method, path, body, options)).data;
 }
 
 // Only the fields sent change (RFC 7396).
-export const mergePatch = (path, changes) =>
-  api("PATCH", path, changes, { contentType: "application/merge-patch+json" });
+export const mergePatch = (path, changes, { ifMatch = null } = {}) =>
+  api("PATCH", path, changes, { contentType: "application/merge-patch+json", ifMatch });
 
 export const userPath = (user) => `/limits/${encodeURIComponent(user)}`;
 export const tierPath = (name) => `/tiers/${encodeURIComponent(name)}`;

@@ -6,7 +6,8 @@
 // ends (chart/labels.js); the text under the chart gives each line's latest value without
 // hovering (chart/legend.js), and "Values per bucket" lists every drawn value
 // (chart/values.js). Buckets with no report are gaps (an engine that disconnected), never
-// zeros; limit changes are dashed vertical lines (chart/markers.js). The current minute
+// zeros; limit changes are dashed vertical lines (chart/markers.js), on one user's chart
+// the changes its audit log records (chart/changes.js). The current minute
 // is over the seconds reported so far, not a dip.
 
 import { fleetLatest, fleetTotalOptions } from "./chart/fleet-total.js";
@@ -175,12 +176,12 @@ export function historyChart({
   }
 
   async function refresh() {
-    const { data, modes } = await loadHistory({ user, ...state });
+    const { data, modes, views, audit, numEngines } = await loadHistory({ user, ...state });
     plotBox.dataset.points = String(data.times.length);
     const colour = colours(data.items.map((s) => s.user));
     const rangeLabel = RANGES[state.range][2];
     const chart = user
-      ? userChart(data, { user, colour, shadow: modes[user] === "shadow", rangeLabel })
+      ? userChart(data, { user, colour, view: views[user], audit, numEngines, rangeLabel })
       : topUsersChart(data, {
           colour,
           modes,
@@ -188,6 +189,8 @@ export function historyChart({
           numUsers: TOP_N,
           rangeLabel,
         });
+    // An idle user gets no empty axes: the summary says there was no usage.
+    plotBox.hidden = Boolean(chart.idle);
     draw(chart);
     if (fleet) fleet.show(data);
     plotBox.dataset.series = String(plot.numSeries());

@@ -48,15 +48,27 @@ export function handleSubmit(form, action) {
     clearErrors(form);
     const button = form.querySelector("button[type=submit]");
     if (button) button.disabled = true;
+    let done = false;
     try {
       const message = await action();
       if (message) toast(message);
+      done = true;
     } catch (error) {
       fieldError(form, error.field || null, error.message);
     } finally {
       if (button) button.disabled = false;
     }
+    if (done) keepFocus(form);
   });
+}
+
+// After a save the view may have redrawn the form (and a confirmation closed): focus goes
+// back to the (redrawn) form's submit button, where the operator was, not to the page.
+function keepFocus(form) {
+  const active = document.activeElement;
+  if (active && active !== document.body && active.isConnected) return;
+  const now = (form.id && document.getElementById(form.id)) || (form.isConnected ? form : null);
+  now?.querySelector("button[type=submit]")?.focus();
 }
 
 export class FieldError extends Error {

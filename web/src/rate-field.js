@@ -2,7 +2,7 @@
 // empty box: two radio buttons, the first with a text box for tokens per second.
 // Text, not type=number: letters are shown and refused instead of silently dropped.
 
-import { h } from "./dom.js";
+import { fmtRateUnit, h } from "./dom.js";
 import { FieldError } from "./feedback.js";
 
 export const MAX_RATE = 1_000_000;
@@ -14,7 +14,8 @@ export function parseRate(text) {
   return n >= 1 && n <= MAX_RATE ? n : null;
 }
 
-// value: current rate (number) or null; noneLabel: what null means here.
+// value: current rate (number) or null; noneLabel: what null means here; limitLabel: the
+// label of the number's choice.
 export function rateField({
   id,
   legend,
@@ -22,6 +23,7 @@ export function rateField({
   noneLabel = "Unlimited",
   field = "output_tokens_per_second",
   fresh = false,
+  limitLabel = "Limit",
 }) {
   const limitRadio = h("input", { type: "radio", name: id, id: `${id}-limited`, value: "limited" });
   const noneRadio = h("input", { type: "radio", name: id, id: `${id}-none`, value: "none" });
@@ -51,7 +53,7 @@ export function rateField({
       "div",
       { class: "row" },
       limitRadio,
-      h("label", { for: limitRadio.id }, "Limit"),
+      h("label", { for: limitRadio.id }, limitLabel),
       input,
       h("span", { class: "unit" }, "tok/s"),
     ),
@@ -79,3 +81,23 @@ export function rateField({
     },
   };
 }
+
+// A ceiling: output tokens/s a user may reach above its rate by borrowing capacity no
+// other user needs (at least the rate; the server refuses one below it). Null inherits
+// (the default's: no borrowing).
+export const CEILING = "ceiling_output_tokens_per_second";
+
+// A ceiling in words; `unset`: what null means where it is shown.
+export const ceilingWords = (ceiling, unset = "inherit") =>
+  ceiling === null || ceiling === undefined ? unset : fmtRateUnit(ceiling);
+
+// value: the own ceiling or null; noneLabel: what choosing none means here.
+export const ceilingField = ({ id, value, noneLabel }) =>
+  rateField({
+    id,
+    legend: "Borrowing ceiling",
+    value,
+    noneLabel,
+    field: CEILING,
+    limitLabel: "Up to",
+  });

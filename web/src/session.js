@@ -1,6 +1,6 @@
 // Who this browser is: the admin (may write), a viewer (read-only) or nobody yet.
 
-import { api, getToken } from "./api.js";
+import { api, forgetToken, getToken } from "./api.js";
 
 export const session = { role: null, name: null };
 
@@ -15,6 +15,14 @@ export async function detectRole() {
     if (error.status !== 401) throw error;
   }
   return session.role;
+}
+
+// Signing out: this browser forgets the token (nothing is sent to the server: a token
+// stays valid until revoked there).
+export function signOut() {
+  forgetToken();
+  session.role = null;
+  session.name = null;
 }
 
 export const canWrite = () => session.role === "admin";

@@ -23,6 +23,7 @@ def test_audit_pages_are_bounded_and_bulk_changes_paged(client: TestClient) -> N
                     "output_tokens_per_second": i["output_tokens_per_second"],
                     "scope": None,
                     "enforcement": None,
+                    "ceiling_output_tokens_per_second": None,
                 }
                 for i in items
             }

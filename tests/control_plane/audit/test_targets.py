@@ -120,7 +120,13 @@ def test_a_bulk_change_is_in_the_history_of_each_user_it_changed(
         ("bulk", "bulk_put_limits"),
         ("user", "put_limit"),
     ]
-    gold = {"tier": "gold", "output_tokens_per_second": None, "scope": None, "enforcement": None}
+    gold = {
+        "tier": "gold",
+        "output_tokens_per_second": None,
+        "scope": None,
+        "enforcement": None,
+        "ceiling_output_tokens_per_second": None,
+    }
     assert history[0]["change"] == {
         "target": "acme-00100",
         "before": {
@@ -128,6 +134,7 @@ def test_a_bulk_change_is_in_the_history_of_each_user_it_changed(
             "output_tokens_per_second": 9,
             "scope": None,
             "enforcement": None,
+            "ceiling_output_tokens_per_second": None,
         },
         "after": gold,
     }

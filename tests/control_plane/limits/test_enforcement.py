@@ -229,7 +229,10 @@ def test_usage_shows_the_would_throttle_fraction_beside_the_throttled_one(
         "user",
         "output_tokens_per_second_1s",
         "output_tokens_per_second_10s",
+        "borrowed_output_tokens_per_second_1s",
+        "borrowed_output_tokens_per_second_10s",
         "limit",
+        "ceiling",
         "throttled_fraction",
         "would_throttle_fraction",
     }

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
 from control_plane.config import service as config
+from control_plane.db import Commit
 from control_plane.limits.schemas import ChangePreview
 from control_plane.usage.repository import UsageRow, add_usage
 from tests.control_plane.factories import make_client
@@ -101,6 +102,7 @@ def test_bulk_preview_lists_each_user_before_and_after_with_exact_counts(
         "effective_output_tokens_per_second": 1000,
         "effective_scope": "fleet",
         "effective_enforcement": "enforce",
+        "effective_ceiling_output_tokens_per_second": None,
     }
     assert item["a"]["after"]["effective_output_tokens_per_second"] == 20
     assert item["a"]["after"]["output_tokens_per_second"] is None
@@ -202,7 +204,7 @@ def test_dry_run_writes_nothing(client: TestClient) -> None:
     setup_tiers(client)
     client.put("/limits/a", json={"tier": "pro"})
     db = client.app.state.control_plane.db  # type: ignore[attr-defined]
-    committed: list[int] = []
+    committed: list[Commit] = []
     db.on_commit.append(committed.append)  # what feeds the push to engines
     at = version(client)
     audit_before = client.get("/audit").json()["items"]
@@ -229,7 +231,7 @@ def test_dry_run_writes_nothing(client: TestClient) -> None:
     assert client.get("/limits").json()["total"] == 1
     # The same write without dry_run does reach the hook.
     client.put("/limits/a", json={"output_tokens_per_second": 1})
-    assert committed == [at + 1]
+    assert [commit.version for commit in committed] == [at + 1]
 
 
 def test_dry_run_has_the_writes_validation_and_auth(client: TestClient) -> None:
@@ -289,7 +291,7 @@ def test_csv_quotes_header_blank_lines_and_errors_by_line(client: TestClient) ->
         "\n"  # 4
         "ok3,,1.5\n"  # 5: not a whole number
         "ok4,,0,moon\n"  # 6: rate and scope both bad
-        "ok5,pro,,,,extra\n"  # 7: a sixth field
+        "ok5,pro,,,,,extra\n"  # 7: a seventh field
         "ok1,free\n"  # 8: ok1 again
         '"multi\nline",pro\n'  # 9-10: a quoted line break (a control character)
         "ok6,pro,,,enforced\n"  # 11
@@ -309,7 +311,7 @@ def test_csv_quotes_header_blank_lines_and_errors_by_line(client: TestClient) ->
         (11, "enforcement"),
     ]
     assert body["field"] == "items"
-    assert body["errors"][4]["msg"].startswith("line 7: items: 6 fields")
+    assert body["errors"][4]["msg"].startswith("line 7: items: 7 fields")
     assert "already appears at line 2" in body["errors"][5]["msg"]
     assert body["detail"].startswith("line 3: tier: unknown tier 'nope'; line 5: ")
     # The write refuses the same lines and writes nothing.

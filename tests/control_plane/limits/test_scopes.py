@@ -19,6 +19,8 @@ from output_rate_core import protocol as p
 from output_rate_core.limits import LimitModel
 from tests.control_plane.factories import make_client
 
+CEILING = "ceiling_output_tokens_per_second"
+
 
 def version(client: TestClient) -> int:
     return int(client.get("/default-limit").json()["version"])
@@ -141,28 +143,64 @@ def test_a_scope_change_is_one_version_and_the_same_write_again_none(client: Tes
     assert [(e["action"], e["before"], e["after"]) for e in entries] == [
         (
             "put_default",
-            {"output_tokens_per_second": None, "scope": None, "enforcement": None},
-            {"output_tokens_per_second": None, "scope": "engine", "enforcement": None},
+            {"output_tokens_per_second": None, "scope": None, "enforcement": None, CEILING: None},
+            {
+                "output_tokens_per_second": None,
+                "scope": "engine",
+                "enforcement": None,
+                CEILING: None,
+            },
         ),
         (
             "patch_tier",
-            {"output_tokens_per_second": 5, "scope": None, "enforcement": None, "description": ""},
+            {
+                "output_tokens_per_second": 5,
+                "scope": None,
+                "enforcement": None,
+                CEILING: None,
+                "description": "",
+            },
             {
                 "output_tokens_per_second": 5,
                 "scope": "engine",
                 "enforcement": None,
+                CEILING: None,
                 "description": "",
             },
         ),
         (
             "patch_limit",
-            {"tier": None, "output_tokens_per_second": 5, "scope": "engine", "enforcement": None},
-            {"tier": None, "output_tokens_per_second": 5, "scope": "fleet", "enforcement": None},
+            {
+                "tier": None,
+                "output_tokens_per_second": 5,
+                "scope": "engine",
+                "enforcement": None,
+                CEILING: None,
+            },
+            {
+                "tier": None,
+                "output_tokens_per_second": 5,
+                "scope": "fleet",
+                "enforcement": None,
+                CEILING: None,
+            },
         ),
         (
             "put_limit",
-            {"tier": None, "output_tokens_per_second": 5, "scope": None, "enforcement": None},
-            {"tier": None, "output_tokens_per_second": 5, "scope": "engine", "enforcement": None},
+            {
+                "tier": None,
+                "output_tokens_per_second": 5,
+                "scope": None,
+                "enforcement": None,
+                CEILING: None,
+            },
+            {
+                "tier": None,
+                "output_tokens_per_second": 5,
+                "scope": "engine",
+                "enforcement": None,
+                CEILING: None,
+            },
         ),
     ]
 
@@ -187,7 +225,7 @@ def test_the_change_log_carries_scopes_and_replays_to_the_snapshot(client: TestC
     snapshot = db.read_now(config.load_snapshot)
     changes = db.read_now(config.changes_since, 0)
     ops = [op for _, version_ops in changes for op in version_ops]
-    unset = {"enforcement": None}
+    unset = {"enforcement": None, "ceiling": None}
     assert ops[0] == {"op": "set_tier", "name": "gold", "rate": 500, "scope": "engine", **unset}
     assert ops[2] == {"op": "set_default", "rate": 10, "scope": "engine", **unset}
     assert ops[3] == {

@@ -68,7 +68,7 @@ def server(db: Database, book: UsageBook, recorder: KeyUseRecorder) -> Iterator[
         fleet=FleetCoordinator(lease_s=10.0),
         key_uses=recorder.add,
     )
-    db.on_commit.append(srv.notify)
+    db.on_commit.append(srv.committed)
     srv.start()
     yield srv
     srv.close()

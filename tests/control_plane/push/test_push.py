@@ -369,6 +369,71 @@ def test_usage_engines_and_metrics_through_the_api(tmp_path: Path) -> None:
             served.db.dispose()
 
 
+def test_borrowed_tokens_two_engines_report_are_summed_on_get_usage(tmp_path: Path) -> None:
+    """Real engine-side clients, a real push server and the REST app: what each engine
+    reports as borrowed reaches GET /usage, summed over the engines, beside the limit and
+    the ceiling it was borrowed under."""
+    from fastapi.testclient import TestClient
+
+    from control_plane.app import create_served_app
+    from harness.control_plane import ADMIN_TOKEN
+    from tests.control_plane.factories import make_settings
+
+    with fresh_database("sqlite", tmp_path) as url:
+        settings = make_settings(url, zmq_endpoint="tcp://127.0.0.1:0")
+        served = create_served_app(settings)
+        app, server = served.app, served.push
+        server.start()
+        api = TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        engines = [Engine(server.endpoint, "e1"), Engine(server.endpoint, "e2")]
+        try:
+            tier = {"output_tokens_per_second": 20, "ceiling_output_tokens_per_second": 60}
+            assert api.put("/tiers/free", json=tier).status_code == 200
+            put = api.put("/limits/a", json={"tier": "free"})
+            version = put.json()["version"]
+            deadline = time.monotonic() + WAIT_S
+            while any(e.state()[0] < version for e in engines):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+            def usage_of_a(since_total: float) -> dict:
+                while True:
+                    items = api.get("/usage").json()["items"]
+                    if items and items[0]["output_tokens_per_second_10s"] > since_total:
+                        return items[0]
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+
+            # e1: 12 of its 30 tokens lent beyond the rate.
+            engines[0].client.report_usage(granted={"a": 30}, throttled={}, borrowed={"a": 12})
+            first = usage_of_a(0.0)
+            assert (first["user"], first["limit"], first["ceiling"]) == ("a", 20, 60)
+            total_1 = first["output_tokens_per_second_10s"]
+            assert first["borrowed_output_tokens_per_second_10s"] == pytest.approx(
+                0.4 * total_1, abs=0.002
+            )
+            assert first["borrowed_output_tokens_per_second_1s"] == pytest.approx(
+                0.4 * first["output_tokens_per_second_1s"], abs=0.002
+            )
+            # e2: 6 of its 30. Each engine's rate is over the interval it measured: the
+            # view adds e2's share of borrowed to e1's.
+            engines[1].client.report_usage(granted={"a": 30}, throttled={}, borrowed={"a": 6})
+            both = usage_of_a(total_1)
+            added = both["output_tokens_per_second_10s"] - total_1
+            assert both["borrowed_output_tokens_per_second_10s"] == pytest.approx(
+                0.4 * total_1 + 0.2 * added, abs=0.004
+            )
+            assert (
+                both["borrowed_output_tokens_per_second_10s"]
+                > (first["borrowed_output_tokens_per_second_10s"])
+            )
+        finally:
+            for engine in engines:
+                engine.client.close()
+            server.close()
+            served.db.dispose()
+
+
 def test_malformed_frames_are_logged_once_then_summarised(
     db, server: PushServer, caplog: pytest.LogCaptureFixture
 ) -> None:

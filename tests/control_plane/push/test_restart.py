@@ -27,6 +27,7 @@ from control_plane.cli import upgrade
 from control_plane.config import service as config
 from control_plane.db import Database, make_engine
 from control_plane.limits import service as limits
+from engine_ext import vllm_compat
 from engine_ext.limit_table import LimitTable
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
@@ -148,6 +149,10 @@ def converge(engines: list[Engine], cp: ControlPlane) -> State:
     raise AssertionError(f"not converged to {want}: {[e.state() for e in engines]}")
 
 
+def listed_vllm_versions(cp: ControlPlane) -> list[str | None]:
+    return [e["vllm_version"] for e in cp.http.get("/engines").json()["items"]]
+
+
 @contextmanager
 def running(tmp_path: Path) -> Iterator[ControlPlane]:
     cp = ControlPlane(tmp_path)
@@ -172,6 +177,12 @@ def test_engines_survive_kill_9_and_converge_after_restart(tmp_path: Path) -> No
         try:
             before = converge(engines, cp)
             assert before[1:] == (50, {"a": 20, "b": 7})
+            # Their rows name the vLLM each said it runs in its HELLO.
+            said = [vllm_compat.installed_vllm_version()] * 3
+            deadline = time.monotonic() + WAIT_S
+            while listed_vllm_versions(cp) != said:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
 
             cp.kill_hard()
             cp.write_while_down()
@@ -205,6 +216,9 @@ def test_engines_survive_kill_9_and_converge_after_restart(tmp_path: Path) -> No
                 for e in engines:
                     e.state()  # the engine thread's part: apply, ack
                 time.sleep(0.05)
+            # Bound again by its heartbeat or resync (which do not say it), or by a new
+            # HELLO: its row still names the vLLM it runs.
+            assert said[0] and listed_vllm_versions(cp) == said
         finally:
             for e in engines:
                 e.client.close()

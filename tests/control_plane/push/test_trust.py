@@ -5,11 +5,13 @@ engine down."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import zmq
 
 from engine_ext.limiter import OutputRateLimiter
 from engine_ext.push_client import PushClient
+from engine_ext.saved_state import StateFile, StateWriter
 from harness.control_plane import Served, fresh_database, serve
 from output_rate_core import protocol as p
 
@@ -38,15 +41,23 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> 
 class RealEngine:
     """A real engine_ext PushClient and the limiter it feeds (applied only in `step`)."""
 
-    def __init__(self, endpoint: str, engine_id: str, **keys: str | None) -> None:
+    def __init__(
+        self, endpoint: str, engine_id: str, state_dir: Path | None = None, **keys: str | None
+    ) -> None:
+        """``state_dir``: where it saves what it applies, and starts from."""
         self.limiter = OutputRateLimiter(None)
+        state = None if state_dir is None else StateFile(state_dir, engine_id, p.ENGINE_ROLE)
         self.client = PushClient(
             endpoints=[endpoint],
             engine_id=engine_id,
             model="tiny",
             server_public_key=keys.get("server_public"),
             client_secret_key=keys.get("secret"),
+            state=None if state is None else StateWriter(state),
         )
+        saved = None if state is None else state.load()
+        if saved is not None:
+            self.client.enforce_saved(self.limiter, saved.snapshot)
         self.client.start()
 
     def step(self) -> int:
@@ -156,6 +167,56 @@ def test_spoofed_hello_and_ack_leave_the_real_engine_row_untouched(tmp_path: Pat
         finally:
             victim.client.close()
             spoofer.close()
+
+
+def test_a_second_engine_with_a_live_id_is_refused_loudly_and_keeps_its_saved_limits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with control_plane("sqlite", tmp_path) as (served, api):
+        limited = {"output_tokens_per_second": 7, "scope": "engine"}
+        assert api.put("/limits/limited", json=limited).status_code == 200
+        version = put_default(api, 50)
+        first = RealEngine(served.zmq_endpoint, "dup")
+        # The second: the same id (two replicas with one --output-rate-engine-id), and
+        # the configuration it applied in an earlier run.
+        state_dir = tmp_path / "second"
+        saved = p.Snapshot(2, None, {}, {"limited": (None, 7)}, user_scopes={"limited": "engine"})
+        StateFile(state_dir, "dup", p.ENGINE_ROLE).save(saved)
+        second = None
+        try:
+            wait_for(lambda: first.step() == version, "the first engine's snapshot")
+            wait_for(lambda: engine_row(api, "dup"), "the first engine's row")
+            caplog.set_level(logging.ERROR, logger="vllm.output_rate")
+            second = RealEngine(served.zmq_endpoint, "dup", state_dir=state_dir)
+            refused = second.client.refusals
+            # Every heartbeat claims the id again, and is refused again.
+            wait_for(lambda: refused.get("engine_id_in_use", 0) >= 3, "three refusals")
+            assert set(refused) == {"engine_id_in_use"}
+            # It never got the limits, and is never unlimited: its saved configuration.
+            assert second.step() == 2 and second.client.serving_saved
+            assert second.limiter.rate_of("limited") == 7
+            assert second.limiter.rate_of("anyone") is None  # as saved: no default then
+            # The engine says why, as an error, naming the id and what it serves meanwhile.
+            engine_lines = [r for r in caplog.records if "refused engine id 'dup'" in r.message]
+            assert engine_lines and all(r.levelno == logging.ERROR for r in engine_lines)
+            assert "engine_id_in_use" in engine_lines[0].message
+            assert "saved configuration (version 2)" in engine_lines[0].message
+            # The control plane logs the refused claim with both peers, and shows it.
+            log = served.log.read_text()
+            assert "refused engine id 'dup' (engine) to the connection from 127.0.0.1" in log
+            assert "the live connection from 127.0.0.1 holds it" in log
+            row = engine_row(api, "dup")
+            assert row is not None and row["refused_claims"] >= 3
+            assert row["last_refused_claim_from"] == "127.0.0.1"
+            refused_at = datetime.fromisoformat(row["last_refused_claim_at"])
+            assert abs((datetime.now(UTC) - refused_at).total_seconds()) < 10
+            # The first engine keeps its id, its row and its limits.
+            assert row["connected"] and row["applied_version"] == version
+            assert first.step() == version and first.client.refusals == {}
+        finally:
+            first.client.close()
+            if second is not None:
+                second.client.close()
 
 
 def test_curve_key_may_claim_only_its_own_engine_ids(tmp_path: Path) -> None:

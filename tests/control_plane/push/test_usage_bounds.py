@@ -40,14 +40,17 @@ WAIT_S = 60.0
 MAX_USERS_PER_MINUTE = 2500
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
+def wait_for(
+    check: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = WAIT_S
+) -> Any:
+    """``what``: or a function saying it, with the figures last seen."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what if isinstance(what, str) else what()}")
 
 
 @dataclass
@@ -360,15 +363,24 @@ def test_reports_of_many_fresh_users_keep_the_history_bounded_and_the_api_respon
     # Every fresh user the book passed on gets a row or is counted as left out of the
     # history (the book itself tracks at most 50,000 users and leaves out the rest), once
     # the server has read every report (on a loaded machine, seconds after the last left).
+    last: dict[str, object] = {}
+
     def accounted() -> tuple[int, dict[str, float]] | None:
         left_out = (cp.metric("output_rate_usage_users_left_out_total") or 0.0) - left_out_before
         refused = {r: n - refused_before.get(r, 0.0) for r, n in cp.refused().items()}
         history_refused = refused.get("history_users", 0) + refused.get("history_engine_users", 0)
         num_rows = cp.fresh_rows()
+        last.update(rows=num_rows, refused=refused, left_out=left_out)
         done = num_rows + history_refused == num_reports * num_users - left_out
         return (num_rows, refused) if done else None
 
-    num_rows, refused = wait_for(accounted, "every fresh user in a row or counted")
+    # Twice the usual wait: beside another file's tests on the two cores, this once took
+    # over 60 s (20-27 s alone); a timeout names the figures last seen.
+    num_rows, refused = wait_for(
+        accounted,
+        lambda: f"every fresh user in a row or counted (of {num_reports * num_users}: {last})",
+        timeout_s=2 * WAIT_S,
+    )
     assert refused["history_engine_users"] > 0
     rows = cp.rows_per_minute()
     assert all(n <= MAX_USERS_PER_MINUTE for n in rows.values())

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from sqlalchemy import create_engine, func, inspect, select, text
 
@@ -16,7 +17,7 @@ from control_plane.cli import downgrade, upgrade
 from control_plane.db import Database, make_engine
 from control_plane.models import LiveUsageRow, table
 from control_plane.replicas import lease
-from control_plane.replicas.live_usage import FleetUsage
+from control_plane.replicas.live_usage import FleetUsage, decode_window, encode_window
 from control_plane.usage.book import UsageBook
 from harness.control_plane import fresh_database
 from output_rate_core import protocol as p
@@ -62,7 +63,7 @@ def test_every_replica_shows_what_one_book_of_all_reports_shows(dbs: list[Databa
     for second in range(8):
         clock.now += 1.0
         reports = [
-            (book_a, p.Usage("e1", 1.0, {"x": 20, "y": 3}, {"x": 10})),
+            (book_a, p.Usage("e1", 1.0, {"x": 20, "y": 3}, {"x": 10}, borrowed={"x": 6})),
             (book_a, p.Usage("e2", 0.5, {"x": 4}, {}, would_throttle={"x": 2})),
             (book_b, p.Usage("e3", 1.0, {"y": 7 + second}, {"z": 5})),
             (book_a if second < 4 else book_b, p.Usage("e4", 1.0, {"x": 30}, {})),
@@ -74,6 +75,7 @@ def test_every_replica_shows_what_one_book_of_all_reports_shows(dbs: list[Databa
         for replica in (a, b, c):
             replica.share_once()
     expected = single.totals()
+    assert [u.borrowed_per_s_10s for u in expected if u.user == "x"] == [pytest.approx(6.0)]
     for replica in (a, b, c):
         assert replica.totals() == pytest.approx(expected)
         for user in ("x", "y", "z", "nobody"):
@@ -95,6 +97,37 @@ def test_every_replica_shows_what_one_book_of_all_reports_shows(dbs: list[Databa
     for replica in (a, b, c):
         replica.share_once()
         assert replica.totals() == single.totals() == []
+
+
+class _ReportBeforeBorrowing(msgspec.Struct, array_like=True, frozen=True):
+    age: float
+    interval_s: float
+    tokens: int
+    granted: dict[str, int]
+    throttled: dict[str, int]
+    would_throttle: dict[str, int]
+
+
+class _WindowBeforeBorrowing(msgspec.Struct, array_like=True, frozen=True):
+    last_report_age: float
+    reports: list[_ReportBeforeBorrowing]
+
+
+def test_replicas_of_builds_before_borrowing_read_and_write_windows_both_ways() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    clock.now += 1.0
+    book.add(p.Usage("e1", 1.0, {"x": 20}, {"x": 2}, would_throttle={"x": 1}, borrowed={"x": 5}))
+    at, windows = book.windows()
+    body = encode_window(windows["e1"])
+    # An older replica reads the window less the borrowed tokens.
+    old = msgspec.msgpack.decode(body, type=_WindowBeforeBorrowing)
+    assert old.reports == [_ReportBeforeBorrowing(0.0, 1.0, 20, {"x": 20}, {"x": 2}, {"x": 1})]
+    # Its window reads here as nothing borrowed.
+    (report,) = decode_window("e1", msgspec.msgpack.encode(old), at).intervals[0].parts
+    assert (report.granted, report.borrowed_counts) == ({"x": 20}, {})
+    (report,) = decode_window("e1", body, at).intervals[0].parts
+    assert report.borrowed_counts == {"x": 5}
 
 
 def test_a_replica_that_stops_writing_stops_counting(dbs: list[Database]) -> None:

@@ -184,3 +184,34 @@ def test_would_throttle_steps_have_the_steps_pace() -> None:
     assert not book.add(p.Usage("e1", 1.0, {}, {}, would_throttle={"a": over}))
     assert book.refused.counts() == {"steps": 1}
     assert book.add(p.Usage("e1", 1.0, {"a": 1}, {}, would_throttle={"a": 1}))
+
+
+def test_borrowed_rates_are_summed_over_engines_and_never_above_the_users_rate() -> None:
+    clock = FakeClock()
+    book = UsageBook(clock)
+    for _ in range(10):  # engine e1: 30 tokens/s of a, 10 of them borrowed
+        clock.now += 1.0
+        book.add(p.Usage("e1", 1.0, {"a": 30, "b": 5}, {}, borrowed={"a": 10}))
+    book.add(p.Usage("e2", 2.0, {"a": 20}, {}, borrowed={"a": 8}))  # e2: 4 of its 10
+    # An engine claiming more borrowed than granted tokens: shown as all borrowed.
+    book.add(p.Usage("e3", 1.0, {"c": 3}, {}, borrowed={"c": 50}))
+    a, b, c = book.totals()
+    assert (a.borrowed_per_s_10s, a.borrowed_per_s_1s) == pytest.approx((14.0, 14.0))
+    assert (a.tokens_per_s_10s, a.tokens_per_s_1s) == pytest.approx((40.0, 40.0))
+    assert (b.borrowed_per_s_10s, b.borrowed_per_s_1s) == (0.0, 0.0)
+    assert (c.borrowed_per_s_10s, c.tokens_per_s_10s) == pytest.approx((3.0, 3.0))
+    clock.now += 2.5  # the latest reports are no longer "the last second"
+    a, _, _ = book.totals()
+    assert a.borrowed_per_s_1s == 0.0 and a.borrowed_per_s_10s > 0
+
+
+def test_a_user_named_only_as_borrowing_is_tracked_and_left_out_when_the_book_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("control_plane.usage.book.MAX_TRACKED_USERS", 2)
+    book = UsageBook(FakeClock())
+    book.add(p.Usage("e1", 1.0, {"a": 1}, {}, borrowed={"b": 1, "c": 1}))
+    # No tokens granted to b: nothing of it shown as borrowed, but it counts to the bound.
+    assert [u.user for u in book.totals()] == ["a"]
+    assert book.num_users_left_out == 1
+    assert book.rate_1s("b") == 0.0 and book.rate_1s("c") is None

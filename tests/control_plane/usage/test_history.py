@@ -157,6 +157,30 @@ def test_would_throttles_are_summed_per_minute_and_shown_per_bucket(client: Test
     assert dan["would_throttle_fraction"][1] == 0.0 and dan["would_throttle"] == 0
 
 
+def test_borrowed_tokens_are_summed_per_minute_and_shown_per_bucket(client: TestClient) -> None:
+    if 60 - time.time() % 60 < 10:  # keep the test inside one real minute
+        time.sleep(60 - time.time() % 60 + 0.1)
+    limit = {"output_tokens_per_second": 20, "ceiling_output_tokens_per_second": 60}
+    put = client.put("/limits/erin", json=limit)
+    assert put.status_code == 200
+    minute = int(time.time()) // 60 * 60
+    clock = FakeClock(minute - 120 + 1)  # 2 minutes ago
+    rec = recorder(client, clock)
+    # Two engines over the same second: 60 tokens, 36 of them lent beyond the rate.
+    rec.add(p.Usage("e1", 1.0, {"erin": 50, "finn": 5}, {}, borrowed={"erin": 30}))
+    rec.add(p.Usage("e2", 1.0, {"erin": 10}, {"erin": 2}, borrowed={"erin": 6}))
+    rec.flush()
+    since = datetime.fromtimestamp(minute - 180, UTC).isoformat()
+    body = client.get("/usage/history", params={"since": since, "order": "tokens"}).json()
+    erin, finn = body["items"]
+    assert (erin["user"], finn["user"]) == ("erin", "finn")
+    assert erin["output_tokens_per_second"][1] == 60.0
+    assert erin["borrowed_output_tokens_per_second"][1] == 36.0
+    assert erin["borrowed_output_tokens_per_second"][0] is None  # a gap, not a zero
+    assert (erin["tokens"], erin["borrowed"]) == (60, 36)
+    assert finn["borrowed_output_tokens_per_second"][1] == 0.0 and finn["borrowed"] == 0
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

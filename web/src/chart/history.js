@@ -1,5 +1,5 @@
-// What the chart reads: GET /usage/history over a range, and each user's enforcement (a
-// shadow limit is drawn and labelled as such).
+// What the chart reads: GET /usage/history over a range, and each user's view (a shadow
+// limit is drawn and labelled as such); for one user also its changes from the audit log.
 
 import { api, userPath } from "../api.js";
 
@@ -13,13 +13,24 @@ export const RANGES = {
   "7d": [7 * 86400, 600, "7 days"],
 };
 
-async function enforcementOf(users) {
+async function viewsOf(users) {
   const views = await Promise.all(users.map((u) => api("GET", userPath(u)).catch(() => null)));
-  return Object.fromEntries(users.map((u, i) => [u, views[i]?.effective_enforcement]));
+  return Object.fromEntries(users.map((u, i) => [u, views[i]]));
+}
+
+// One user's changes (its own and the bulk changes that touched it, newest first) and
+// the number of engines connected (an engine-scoped limit holds on each).
+async function userContext(user) {
+  const [audit, engines] = await Promise.all([
+    api("GET", `/audit?${new URLSearchParams({ target: user, limit: "200" })}`),
+    api("GET", "/engines"),
+  ]);
+  return { audit: audit.items, numEngines: engines.items.filter((e) => e.connected).length };
 }
 
 // user: one user's history, else the TOP_N users first by `order` ("throttled" or
-// "tokens"). Resolves to {data, modes: user -> its effective enforcement}.
+// "tokens"). Resolves to {data, modes: user -> its effective enforcement, views: user ->
+// its GET /limits view} and, for one user, {audit, numEngines} (userContext).
 export async function loadHistory({ user, range, order }) {
   const [seconds, step] = RANGES[range];
   const params = new URLSearchParams({
@@ -32,6 +43,8 @@ export async function loadHistory({ user, range, order }) {
     params.set("order", order);
   }
   const data = await api("GET", `/usage/history?${params}`);
-  const modes = await enforcementOf(data.items.map((s) => s.user));
-  return { data, modes };
+  const users = user ? [user] : data.items.map((s) => s.user);
+  const [views, context] = await Promise.all([viewsOf(users), user ? userContext(user) : {}]);
+  const modes = Object.fromEntries(users.map((u) => [u, views[u]?.effective_enforcement]));
+  return { data, modes, views, ...context };
 }

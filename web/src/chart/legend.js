@@ -2,7 +2,7 @@
 // its user and its latest values, read without hovering (the plot's own legend is off).
 
 import { h, table } from "../dom.js";
-import { link } from "../router.js";
+import { userLink } from "../router.js";
 import { lastIndex } from "./buckets.js";
 import { fmtLimit, fmtPct, fmtTok } from "./format.js";
 
@@ -51,7 +51,7 @@ export function legendRow(series, { share, drawn, shadow, colour, dash }) {
       "td",
       {},
       swatch(colour, dash),
-      h("a", { href: link("users", series.user) }, series.user),
+      userLink(series.user),
       shadow ? h("span", { class: "pill shadow" }, "shadow") : null,
     ),
     h(

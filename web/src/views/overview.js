@@ -1,28 +1,43 @@
 // Overview: do all engines enforce the current version, fleet tokens/s, who is throttled.
+// The headline is green only when every known engine is connected and on the current
+// version; amber while connected ones lag behind it; red with an engine disconnected;
+// grey and saying so while the control plane itself does not answer.
 
 import { api } from "../api.js";
 import { historyChart } from "../chart.js";
 import { fmtInt, fmtRateUnit, h, plural, section, table } from "../dom.js";
-import { link, replaceParams } from "../router.js";
+import { link, replaceParams, userLink } from "../router.js";
 
 const TOP_LIVE = 10;
 
-// Whether every connected engine applied the current version.
+// The headline: whether every engine is connected and applied the current version.
+function headline(engines) {
+  const total = engines.items.length;
+  const connected = engines.items.filter((e) => e.connected);
+  const dead = total - connected.length;
+  const behind = connected.filter((e) => e.applied_version < engines.version);
+  if (total === 0) return ["unknown", "No engine has connected yet."];
+  const lagging = behind.length
+    ? `${plural(behind.length, "engine")} not yet on version ${engines.version}`
+    : null;
+  if (dead)
+    return [
+      "bad",
+      `${plural(dead, "engine")} of ${total} disconnected${lagging ? `; ${lagging}` : ""}`,
+    ];
+  if (lagging) return ["warn", `${lagging} (of ${total})`];
+  return ["good", `All ${plural(total, "engine")} connected and on version ${engines.version}`];
+}
+
+// Said instead of the headline while the control plane does not answer.
+const UNREACHABLE =
+  "Control plane unreachable: whether engines applied the latest version is unknown";
+
 function enginesSummary(engines) {
   const connected = engines.items.filter((e) => e.connected);
-  const behind = connected.filter((e) => e.applied_version < engines.version);
+  const [kind, words] = headline(engines);
   return [
-    h(
-      "p",
-      { class: `big ${behind.length ? "bad" : "good"}` },
-      engines.items.length === 0
-        ? "No engine has connected yet."
-        : behind.length
-          ? `${plural(behind.length, "engine")} of ${connected.length} connected ` +
-            `not yet on version ${engines.version}`
-          : `All ${plural(connected.length, "connected engine")} ` +
-            `applied version ${engines.version}`,
-    ),
+    h("p", { class: `big ${kind}`, id: "engines-headline", dataset: { state: kind } }, words),
     h(
       "p",
       { class: "hint" },
@@ -32,12 +47,22 @@ function enginesSummary(engines) {
   ];
 }
 
-// The fleet's tokens/s over the last second and how many users are throttled.
+// The fleet's tokens/s over the last second (and of them, those borrowed beyond the
+// users' limits) and how many users are throttled.
 function fleetNow(usage) {
-  const total = usage.items.reduce((sum, u) => sum + u.output_tokens_per_second_1s, 0);
+  const sum = (field) => usage.items.reduce((total, u) => total + u[field], 0);
+  const total = sum("output_tokens_per_second_1s");
+  const borrowed = sum("borrowed_output_tokens_per_second_1s");
   const throttled = usage.items.filter((u) => u.throttled_fraction > 0);
   return [
     h("p", { class: "big", id: "fleet-rate" }, `${fmtInt(Math.round(total))} tok/s`),
+    h(
+      "p",
+      { class: "hint", id: "fleet-borrowed" },
+      borrowed > 0
+        ? `${fmtInt(Math.round(borrowed))} tok/s of it borrowed idle capacity (beyond limits)`
+        : "None borrowed beyond limits.",
+    ),
     h(
       "p",
       { class: "hint" },
@@ -47,13 +72,25 @@ function fleetNow(usage) {
   ];
 }
 
+// A limit and the ceiling a user may borrow up to above it.
+function limitWords(u) {
+  const limit = fmtRateUnit(u.limit);
+  return u.ceiling === null || u.ceiling === undefined
+    ? limit
+    : `${limit}, ceiling ${fmtRateUnit(u.ceiling)}`;
+}
+
 function throttledRow(u) {
+  const borrowed = u.borrowed_output_tokens_per_second_10s;
+  const total = u.output_tokens_per_second_10s;
   return h(
     "tr",
     { dataset: { user: u.user } },
-    h("td", {}, h("a", { href: link("users", u.user) }, u.user)),
-    h("td", {}, u.output_tokens_per_second_10s.toFixed(1)),
-    h("td", {}, fmtRateUnit(u.limit)),
+    h("td", {}, userLink(u.user)),
+    // Within the limit and borrowed beyond it, side by side: together the user's tok/s.
+    h("td", { class: "within-limit" }, Math.max(0, total - borrowed).toFixed(1)),
+    h("td", { class: "borrowed" }, borrowed > 0 ? borrowed.toFixed(1) : "–"),
+    h("td", {}, limitWords(u)),
     h("td", {}, `${Math.round(u.throttled_fraction * 100)}%`),
     // Only a shadow limit counts would-throttles.
     h(
@@ -76,7 +113,14 @@ function mostThrottled(usage) {
   if (!top.length) return h("p", { class: "hint" }, "No usage reported in the last 10 seconds.");
   return table(
     "most throttled users now",
-    ["User", "tok/s (10 s)", "Limit", "Throttled", "Would throttle (shadow)"],
+    [
+      "User",
+      "Within limit tok/s (10 s)",
+      "Borrowed tok/s (10 s)",
+      "Limit",
+      "Throttled",
+      "Would throttle (shadow)",
+    ],
     top.map(throttledRow),
     { id: "live-usage" },
     { stack: true },
@@ -105,6 +149,14 @@ export async function render(main, route) {
     throttledBox.replaceChildren(mostThrottled(usage));
   }
 
+  function unreachable() {
+    const line = enginesBox.querySelector("#engines-headline");
+    if (!line) return;
+    line.className = "big unknown";
+    line.dataset.state = "unreachable";
+    line.textContent = UNREACHABLE;
+  }
+
   await Promise.all([refreshLive(), chart.refresh()]);
   let ticks = 0;
   return {
@@ -114,6 +166,9 @@ export async function render(main, route) {
       if (ticks % 6 === 0) await chart.refresh();
     },
     destroy: () => chart.destroy(),
+    // Down: the headline says so (the shell greys the rest); back: the next refresh
+    // redraws it from the engines' state.
+    onConnection: (down) => down && unreachable(),
     interval: 2000,
   };
 }

@@ -6,10 +6,11 @@
 
 import { api } from "../api.js";
 import { h, section } from "../dom.js";
+import { toast } from "../feedback.js";
 import { canWrite } from "../session.js";
 import { defaultLimitSection } from "./tiers/default-limit.js";
 import { deleteTier } from "./tiers/delete-tier.js";
-import { editTierForm } from "./tiers/edit-tier.js";
+import { editTierForm, loadTier } from "./tiers/edit-tier.js";
 import { newTierForm } from "./tiers/new-tier.js";
 import { tiersTable } from "./tiers/tier-table.js";
 
@@ -18,9 +19,9 @@ export async function render(main) {
   const tiersBox = h("div");
   const editBox = h("div", { id: "tier-edit" });
   let tiers = [];
-  // The default's scope and enforcement (null: fleet, enforce), which tiers without
-  // their own inherit.
-  let defaults = { scope: null, enforcement: null };
+  // The default's scope, enforcement and ceiling (null: fleet, enforce, no borrowing),
+  // which tiers without their own inherit.
+  let defaults = { scope: null, enforcement: null, ceiling: null };
   const defaultLimit = defaultLimitSection({ writer, onSaved: () => refresh(true) });
   main.replaceChildren(
     h("h2", { class: "view-title" }, "Tiers and default limit"),
@@ -35,10 +36,25 @@ export async function render(main) {
       ),
     );
 
-  function edit(tier) {
+  // The form is drawn from the tier as the server has it now, with its ETag.
+  async function edit(listed) {
     const close = () => editBox.replaceChildren();
-    editBox.replaceChildren(editTierForm(tier, { defaults, close, refresh }));
-    editBox.querySelector("h3").focus();
+    const open = (tier, edits = null) => {
+      editBox.replaceChildren(
+        editTierForm(tier, { defaults, close, reopen: open, refresh, edits }),
+      );
+      editBox.querySelector("h3").focus();
+    };
+    try {
+      const tier = await loadTier(listed.name);
+      if (tier) open(tier);
+      else {
+        toast(`Tier ${listed.name} no longer exists.`, "error");
+        await refresh();
+      }
+    } catch (error) {
+      toast(error.message, "error");
+    }
   }
 
   // forceDefault: redraw the default's form even if the default did not change.
@@ -48,7 +64,11 @@ export async function render(main) {
       defaultLimit.refresh(forceDefault),
     ]);
     tiers = items;
-    defaults = { scope: dflt.scope, enforcement: dflt.enforcement };
+    defaults = {
+      scope: dflt.scope,
+      enforcement: dflt.enforcement,
+      ceiling: dflt.ceiling_output_tokens_per_second,
+    };
     tiersBox.replaceChildren(
       tiersTable(items, {
         writer,

@@ -4,14 +4,14 @@
 // rate against the limit over time, its audit trail (with the bulk changes that touched
 // it). The parts: user/facts.js, user/limit-form.js, user/shares.js, user/inherited.js.
 
-import { api, userPath } from "../api.js";
+import { api, request, userPath } from "../api.js";
 import { apiKeysSection } from "../api-keys.js";
 import { historyChart } from "../chart.js";
 import { h, section } from "../dom.js";
 import { link, replaceParams } from "../router.js";
 import { canWrite } from "../session.js";
 import { auditTable } from "./audit/audit-table.js";
-import { limitSummary, wouldThrottleShare } from "./user/facts.js";
+import { limitSummary } from "./user/facts.js";
 import { inheritance } from "./user/inherited.js";
 import { limitForm } from "./user/limit-form.js";
 import { sharesView } from "./user/shares.js";
@@ -20,24 +20,41 @@ import { sharesView } from "./user/shares.js";
 const WOULD_THROTTLE_WINDOW_S = 3600;
 
 // What the limit form shows: it is redrawn only when one of these changed (or on a save),
-// so that a refresh keeps what the operator typed.
+// so that a refresh keeps what the operator typed. The ETag is the record's version: a
+// form kept while someone else saved the user still sends the one it was drawn with.
 const formKey = (view, dflt, tiers) =>
   JSON.stringify([
+    view.etag,
     view.tier,
     view.output_tokens_per_second,
     view.scope,
     view.enforcement,
+    view.ceiling_output_tokens_per_second,
     view.configured,
     dflt.scope,
     dflt.enforcement,
-    tiers.map((t) => [t.name, t.output_tokens_per_second, t.scope, t.enforcement]),
+    dflt.ceiling_output_tokens_per_second,
+    tiers.map((t) => [
+      t.name,
+      t.output_tokens_per_second,
+      t.scope,
+      t.enforcement,
+      t.ceiling_output_tokens_per_second,
+    ]),
   ]);
+
+// The user's view with the ETag of its record (what its writes send as If-Match).
+export async function loadView(user) {
+  const { data: view, etag } = await request("GET", userPath(user));
+  view.etag = etag;
+  return view;
+}
 
 // Everything the page shows but the chart and the keys, in one round of requests.
 async function loadUser(user) {
   const since = new Date(Date.now() - WOULD_THROTTLE_WINDOW_S * 1000).toISOString();
   const [view, tiers, dflt, audit, list, history] = await Promise.all([
-    api("GET", userPath(user)),
+    loadView(user),
     api("GET", "/tiers"),
     api("GET", "/default-limit"),
     api("GET", `/audit?${new URLSearchParams({ target: user, limit: "50" })}`),
@@ -89,13 +106,15 @@ export async function render(main, route) {
   let inherit = null;
   let shownForm = null;
 
-  async function refresh(force = false) {
+  // force: redraw the form even if nothing it shows changed; edits: the fields to put
+  // back into it over the values now (a save refused because someone else saved first).
+  async function refresh(force = false, edits = null) {
     const [{ view, tiers, dflt, audit, history }] = await Promise.all([
       loadUser(user),
       keys.refresh(),
     ]);
     inherit = inheritance(tiers, dflt);
-    summary.replaceChildren(...limitSummary(user, view, inherit, wouldThrottleShare(history)));
+    summary.replaceChildren(...limitSummary(user, view, inherit, history));
     sharesBox.replaceChildren(sharesView(user, view));
     auditBox.replaceChildren(
       audit.length
@@ -105,7 +124,9 @@ export async function render(main, route) {
     const key = formKey(view, dflt, tiers);
     if (writer && (force || key !== shownForm)) {
       shownForm = key;
-      formBox.replaceChildren(limitForm(user, view, { inherit, latest: () => inherit, refresh }));
+      formBox.replaceChildren(
+        limitForm(user, view, { inherit, latest: () => inherit, refresh, loadView, edits }),
+      );
     }
   }
 

@@ -4,33 +4,59 @@
 import { api } from "../../api.js";
 import { fmtRateUnit, fmtTime, h, table } from "../../dom.js";
 import { toast } from "../../feedback.js";
-import { link } from "../../router.js";
+import { link, userLink } from "../../router.js";
 
 const DETAIL_PAGE = 100;
 const HEADERS = ["When", "Who", "What", "Target", "Before", "After"];
 
-// A record as words:
-// {"tier": "pro", "output_tokens_per_second": 7} -> "tier pro, override 7 tok/s".
-function describe(action, value) {
+// Each field of a record in words (a field not here is named by its key and value).
+const FIELD_WORDS = {
+  tier: (v) => (v === null ? "no tier" : `tier ${v}`),
+  output_tokens_per_second: (v, action) =>
+    /limit/.test(action)
+      ? v === null
+        ? "no override"
+        : `override ${fmtRateUnit(v)}`
+      : `rate ${fmtRateUnit(v)}`,
+  // The default's null is "fleet" and "enforce"; a user's or tier's inherits.
+  scope: (v, action) => `scope ${v ?? (/default/.test(action) ? "fleet (not set)" : "inherited")}`,
+  enforcement: (v, action) =>
+    `enforcement ${v ?? (/default/.test(action) ? "enforce (not set)" : "inherited")}`,
+  // The default's null borrows nothing; a user's or tier's inherits.
+  ceiling_output_tokens_per_second: (v, action) =>
+    `ceiling ${v === null ? (/default/.test(action) ? "none" : "inherited") : fmtRateUnit(v)}`,
+  description: (v) => (v ? `description “${v}”` : "no description"),
+  name: (v) => `name ${v}`,
+  prefix: (v) => `API key ${v}`,
+  revoked: (v) => (v ? "revoked" : "active"),
+};
+// Named only when set, or when the change set or cleared them (null inherits: a record
+// that never set them reads as it did before they existed).
+const QUIET_WHEN_NULL = new Set(["scope", "enforcement", "ceiling_output_tokens_per_second"]);
+
+// A record as words, every field that differs from `other` (the other side of the
+// change) included, so Before and After never read alike when they are not:
+// {"tier": "pro", "output_tokens_per_second": 7, "scope": "engine"}
+//   -> "tier pro, override 7 tok/s, scope engine".
+function describe(action, value, other = null) {
   if (value === null || value === undefined) return "–";
   if (typeof value !== "object") return String(value);
+  const compared = other !== null && typeof other === "object";
   const parts = [];
-  if ("tier" in value) parts.push(value.tier === null ? "no tier" : `tier ${value.tier}`);
-  if ("output_tokens_per_second" in value) {
-    const rate = value.output_tokens_per_second;
-    if (/limit/.test(action))
-      parts.push(rate === null ? "no override" : `override ${fmtRateUnit(rate)}`);
-    else parts.push(`rate ${fmtRateUnit(rate)}`);
+  for (const [key, v] of Object.entries(value)) {
+    const changed = compared && JSON.stringify(other[key]) !== JSON.stringify(v);
+    if (v === null && QUIET_WHEN_NULL.has(key) && !changed) continue;
+    const words = FIELD_WORDS[key];
+    parts.push(words ? words(v, action) : `${key.replace(/_/g, " ")} ${JSON.stringify(v)}`);
   }
-  // Only an own enforcement is named (null inherits), so records of before shadow read as before.
-  if (value.enforcement) parts.push(`enforcement ${value.enforcement}`);
-  if ("description" in value)
-    parts.push(value.description ? `description “${value.description}”` : "no description");
-  if ("name" in value) parts.push(`name ${value.name}`);
-  if ("prefix" in value) parts.push(`API key ${value.prefix}`);
-  if ("revoked" in value) parts.push(value.revoked ? "revoked" : "active");
   return parts.join(", ");
 }
+
+// Both sides of a change in words.
+const describeBoth = (action, before, after) => [
+  describe(action, before, after),
+  describe(action, after, before),
+];
 
 const detailId = (entry) => `audit-detail-${entry.id}`;
 
@@ -48,13 +74,10 @@ function bulkDetail(entry) {
         h(
           "tr",
           { dataset: { user: c.target } },
-          h(
-            "td",
-            { dataset: { label: "User" } },
-            h("a", { href: link("users", c.target) }, c.target),
+          h("td", { dataset: { label: "User" } }, userLink(c.target)),
+          ...describeBoth(entry.action, c.before, c.after).map((words, i) =>
+            h("td", { dataset: { label: i ? "After" : "Before" } }, words),
           ),
-          h("td", { dataset: { label: "Before" } }, describe(entry.action, c.before)),
-          h("td", { dataset: { label: "After" } }, describe(entry.action, c.after)),
         ),
       ),
     );
@@ -91,7 +114,7 @@ function bulkDetail(entry) {
 
 function targetCell(entry, open) {
   const { target_kind: kind, target } = entry;
-  if (kind === "user") return h("a", { href: link("users", target) }, target);
+  if (kind === "user") return userLink(target);
   if (kind === "tier") return h("a", { href: link("tiers") }, `tier ${target}`);
   if (kind === "token") return `viewer token ${target}`;
   if (kind !== "bulk") return target;
@@ -128,13 +151,8 @@ function targetCell(entry, open) {
 
 // A bulk entry's before/after: what it did to the user the list is filtered by, if any.
 function sides(entry) {
-  if (entry.target_kind !== "bulk")
-    return [describe(entry.action, entry.before), describe(entry.action, entry.after)];
-  if (entry.change)
-    return [
-      describe(entry.action, entry.change.before),
-      describe(entry.action, entry.change.after),
-    ];
+  if (entry.target_kind !== "bulk") return describeBoth(entry.action, entry.before, entry.after);
+  if (entry.change) return describeBoth(entry.action, entry.change.before, entry.change.after);
   const perUser = () => h("span", { class: "hint" }, "per user (open the target)");
   return [perUser(), perUser()];
 }

@@ -1,10 +1,10 @@
-// Creating a tier: a name, a rate and optionally its own scope, enforcement and
-// description.
+// Creating a tier: a name, a rate and optionally its own scope, enforcement, borrowing
+// ceiling and description.
 
 import { api, tierPath } from "../../api.js";
 import { fmtRateUnit, h } from "../../dom.js";
 import { FieldError, handleSubmit } from "../../feedback.js";
-import { rateField } from "../../rate-field.js";
+import { CEILING, ceilingField, rateField } from "../../rate-field.js";
 import { enforcementField, scopeField } from "../../scope-field.js";
 
 const TIER_NAME = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
@@ -42,6 +42,11 @@ export function newTierForm({ exists, refresh }) {
     value: null,
     inheritLabel: "Inherit (the default's)",
   });
+  const ceiling = ceilingField({
+    id: "new-tier-ceiling",
+    value: null,
+    noneLabel: "Inherit (the default's)",
+  });
   const description = h("input", {
     id: "new-tier-description",
     "data-field": "description",
@@ -54,6 +59,7 @@ export function newTierForm({ exists, refresh }) {
     rate.el,
     scope.el,
     enforcement.el,
+    ceiling.el,
     h(
       "div",
       { class: "field" },
@@ -75,6 +81,7 @@ export function newTierForm({ exists, refresh }) {
       description: description.value,
       scope: scope.value(),
       enforcement: enforcement.value(),
+      [CEILING]: ceiling.value(),
     });
     form.reset();
     rate.input.value = "";

@@ -1,7 +1,8 @@
-// The tiers table: each tier's rate (and shadow), scope, description and number of
-// users; for an admin, its Edit and Delete buttons.
+// The tiers table: each tier's rate (and shadow, and the ceiling its users may borrow up
+// to), scope, description and number of users; for an admin, its Edit and Delete buttons.
 
 import { fmtInt, fmtRateUnit, h, table } from "../../dom.js";
+import { CEILING } from "../../rate-field.js";
 import { scopeWords } from "../../scope-field.js";
 
 function actionsCell(tier, { onEdit, onDelete }) {
@@ -31,7 +32,17 @@ function actionsCell(tier, { onEdit, onDelete }) {
   );
 }
 
-// defaults: the default's scope and enforcement, which a tier without its own inherits.
+// The ceiling the tier's users without their own borrow up to (its own, else the
+// default's), in words; "" when it borrows nothing (none, or not above the rate).
+function ceilingNote(tier, defaults) {
+  const rate = tier.output_tokens_per_second;
+  const ceiling = tier[CEILING] ?? defaults.ceiling;
+  if (rate === null || ceiling === null || ceiling === undefined || ceiling <= rate) return "";
+  return `, borrows up to ${fmtRateUnit(ceiling)}`;
+}
+
+// defaults: the default's scope, enforcement and ceiling, which a tier without its own
+// inherits.
 function tierRow(tier, { writer, defaults, ...actions }) {
   return h(
     "tr",
@@ -41,7 +52,8 @@ function tierRow(tier, { writer, defaults, ...actions }) {
       "td",
       {},
       fmtRateUnit(tier.output_tokens_per_second) +
-        ((tier.enforcement ?? defaults.enforcement) === "shadow" ? " (shadow)" : ""),
+        ((tier.enforcement ?? defaults.enforcement) === "shadow" ? " (shadow)" : "") +
+        ceilingNote(tier, defaults),
     ),
     h(
       "td",

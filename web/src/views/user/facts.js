@@ -1,8 +1,8 @@
-// The user's limit as facts: the rate it gets and where from, its tier, override, scope
-// and enforcement (own or inherited), what a limit in shadow would have held back and
-// what engines report it receives now.
+// The user's limit as facts: the rate it gets and where from, its tier, override, scope,
+// enforcement and borrowing ceiling (own or inherited) with what it borrowed, what a limit in
+// shadow would have held back and what engines report it receives now.
 
-import { fmtRateUnit, h } from "../../dom.js";
+import { fmtInt, fmtRateUnit, h } from "../../dom.js";
 
 export const fmtTokens = (rate) => `${rate.toFixed(1)} tok/s`;
 
@@ -26,15 +26,46 @@ function enforcementFact(view, inherit) {
   return mode + from;
 }
 
-function wouldThrottleFact(view, wouldThrottle) {
-  if (wouldThrottle === null) return "no usage reported in the last hour";
-  return (
-    `${(wouldThrottle * 100).toFixed(1)}% of its request-steps in the last hour` +
-    (view.effective_enforcement === "shadow" ? "" : " (while in shadow)")
-  );
+// The ceiling in force: none (the rate is a hard limit), or up to what it borrows and
+// whose ceiling it is. A ceiling at or below the rate (set before the rate rose) borrows
+// nothing.
+function ceilingFact(view, inherit) {
+  const own = view.ceiling_output_tokens_per_second;
+  const effective = view.effective_ceiling_output_tokens_per_second;
+  if (effective === null) {
+    if (view.effective_output_tokens_per_second === null) return "none: it is unlimited";
+    return own === null
+      ? "none: the rate is a hard limit"
+      : `none: its own ${fmtRateUnit(own)} is not above its rate`;
+  }
+  const from = own === null ? ` (inherited from ${inherit.ceilingFrom(view.tier)})` : " (its own)";
+  return `up to ${fmtRateUnit(effective)} when no other user needs the capacity${from}`;
 }
 
-function facts(view, inherit, wouldThrottle) {
+// What the user borrowed in `history` (GET /usage/history: its tokens, and of them those
+// lent beyond its limit), said after its ceiling; nothing when it borrowed none and may not.
+function borrowedWords(view, history) {
+  const series = history.items[0];
+  const borrowed = series ? series.borrowed : 0;
+  if (
+    !series?.tokens ||
+    (borrowed === 0 && view.effective_ceiling_output_tokens_per_second === null)
+  )
+    return "";
+  return `. Borrowed ${fmtInt(borrowed)} of its ${fmtInt(series.tokens)} tokens in the last hour`;
+}
+
+function wouldThrottleFact(view, wouldThrottle) {
+  if (wouldThrottle === null) return "no usage reported in the last hour";
+  const share = `${(wouldThrottle * 100).toFixed(1)}% of its request-steps in the last hour`;
+  if (view.effective_enforcement === "shadow") return share;
+  // Counted only while a limit is in shadow: a user enforced throughout has nothing here.
+  if (wouldThrottle === 0)
+    return "none: counted only under a shadow limit, and this user is enforced";
+  return `${share} (while it was in shadow)`;
+}
+
+function facts(view, inherit, history) {
   return h(
     "dl",
     { class: "facts" },
@@ -62,8 +93,14 @@ function facts(view, inherit, wouldThrottle) {
     ),
     h("dt", {}, "Enforcement"),
     h("dd", { id: "user-enforcement-effective" }, enforcementFact(view, inherit)),
+    h("dt", {}, "Borrowing"),
+    h(
+      "dd",
+      { id: "user-ceiling-effective" },
+      ceilingFact(view, inherit) + borrowedWords(view, history),
+    ),
     h("dt", {}, "Would be throttled"),
-    h("dd", { id: "user-would-throttle" }, wouldThrottleFact(view, wouldThrottle)),
+    h("dd", { id: "user-would-throttle" }, wouldThrottleFact(view, wouldThrottleShare(history))),
     h("dt", {}, "Received now"),
     h(
       "dd",
@@ -75,10 +112,11 @@ function facts(view, inherit, wouldThrottle) {
   );
 }
 
-// The facts, and for a user nobody configured, that saving creates it.
-export function limitSummary(user, view, inherit, wouldThrottle) {
+// The facts (`history`: the user's last hour, GET /usage/history), and for a user nobody
+// configured, that saving creates it.
+export function limitSummary(user, view, inherit, history) {
   return [
-    facts(view, inherit, wouldThrottle),
+    facts(view, inherit, history),
     view.configured
       ? null
       : h(

@@ -1,6 +1,7 @@
 // What a user without its own value gets: its tier's if the tier sets one, else the
 // default's.
 
+import { ceilingWords } from "../../rate-field.js";
 import { enforcementWords, scopeWords } from "../../scope-field.js";
 
 // tiers: GET /tiers items; dflt: GET /default-limit.
@@ -8,6 +9,8 @@ export function inheritance(tiers, dflt) {
   const tierOf = (name) => tiers.find((t) => t.name === name);
   return {
     tiers,
+    // GET /default-limit: what a user without a record follows.
+    dflt,
     defaultRate: dflt.output_tokens_per_second,
     // The rate a user with this tier (or null) and override (or null) is held to.
     rate: (tier, override) =>
@@ -29,6 +32,13 @@ export function inheritance(tiers, dflt) {
       return own !== null
         ? `tier ${tierName}: ${own}`
         : `the default: ${enforcementWords(dflt.enforcement, "enforce")}`;
+    },
+    // Where an inherited ceiling comes from, likewise.
+    ceilingFrom: (tierName) => {
+      const own = tierOf(tierName)?.ceiling_output_tokens_per_second ?? null;
+      return own !== null
+        ? `tier ${tierName}: ${ceilingWords(own)}`
+        : `the default: ${ceilingWords(dflt.ceiling_output_tokens_per_second, "no borrowing")}`;
     },
   };
 }

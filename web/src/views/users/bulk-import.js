@@ -46,7 +46,8 @@ export function bulkForm(refresh) {
     id: "bulk-text",
     rows: 5,
     "data-field": "items",
-    placeholder: 'user,tier,override,scope,enforcement\nalice,pro\n"bob, inc",,50,engine,shadow',
+    placeholder:
+      'user,tier,override,scope,enforcement,ceiling\nalice,pro\n"bob, inc",,50,engine,shadow,80',
   });
   const form = h(
     "form",
@@ -54,9 +55,10 @@ export function bulkForm(refresh) {
     h(
       "p",
       { class: "hint" },
-      "One user per line, 5 columns: user id, tier, override tok/s, scope (fleet or " +
-        "engine), enforcement (enforce or shadow). Each line replaces that user's record: " +
-        "an empty column clears it (no scope or enforcement: the tier's or the default's). " +
+      "One user per line, 6 columns: user id, tier, override tok/s, scope (fleet or " +
+        "engine), enforcement (enforce or shadow), borrowing ceiling tok/s (at least the " +
+        "rate). Each line replaces that user's record: an empty or missing column clears " +
+        "it (no scope, enforcement or ceiling: the tier's or the default's). " +
         'Quote a field that holds a comma ("acme, inc"); an optional first line of ' +
         "column names is skipped. The server checks every line and shows whom the " +
         "import holds back before anything is written.",
@@ -68,6 +70,9 @@ export function bulkForm(refresh) {
     const body = text.value;
     if (!body.trim()) throw new FieldError("items", "Lines: enter at least one line.");
     const [preview, dflt] = await previewOf(body);
+    // A header or blank lines only: said as such, not as a choice to import 0 users.
+    if (preview.num_users === 0 && preview.num_records_unchanged === 0)
+      throw new FieldError("items", "Nothing to import: the lines hold no user (only a header?).");
     if (!(await confirmImport(preview, dflt))) return "Not imported.";
     const result = await api("POST", "/limits:bulk", body, CSV);
     text.value = "";

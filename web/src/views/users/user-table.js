@@ -2,7 +2,7 @@
 // gets (and whether in shadow), where that comes from, and its scope.
 
 import { fmtRateUnit, h, table } from "../../dom.js";
-import { link } from "../../router.js";
+import { userLink } from "../../router.js";
 
 function userRow(u) {
   const shadow =
@@ -10,11 +10,7 @@ function userRow(u) {
   return h(
     "tr",
     { dataset: { user: u.user } },
-    h(
-      "td",
-      {},
-      h("a", { href: link("users", u.user), "aria-label": `Open user ${u.user}` }, u.user),
-    ),
+    h("td", {}, userLink(u.user, { "aria-label": `Open user ${u.user}` })),
     h("td", {}, u.tier || "–"),
     h(
       "td",
