@@ -129,7 +129,7 @@ class AdmissionGate:
     stays refused for the step, so the rest of its queue costs nothing.
     """
 
-    __slots__ = ("borrowed", "charged", "lends", "limiter", "note_refused", "refused")
+    __slots__ = ("borrowed", "charged", "lends", "limiter", "note_refused", "quota", "refused")
 
     def __init__(
         self,
@@ -137,6 +137,7 @@ class AdmissionGate:
         refused: set[str],
         note_refused: Callable[[str, int], None],
         lends: bool = False,
+        quota: dict[str, int] | None = None,
     ) -> None:
         self.limiter = limiter
         self.refused = refused
@@ -144,6 +145,9 @@ class AdmissionGate:
         # Whether a user over its rate may borrow its admission token (no user waiting
         # has budget: nobody else would be admitted this step).
         self.lends = lends
+        # user -> admissions it may still have this step, when running requests were
+        # parked for them (``StepPlanner._yield_active_slots``); None: any user.
+        self.quota = quota
         # request id -> waiting request charged one token this step.
         self.charged: dict[str, RequestLike] = {}
         # request id -> waiting request lent one token (beyond its user's rate).
@@ -155,8 +159,13 @@ class AdmissionGate:
             return True
         if user in self.refused:
             return False
+        quota = self.quota
+        if quota is not None and not quota.get(user):
+            return False  # the slots yielded this step are other users'
         if self.limiter.try_take(user):
             self.charged[request_id] = request
+            if quota is not None:
+                quota[user] -= 1
             return True
         if self.lends and self.limiter.try_borrow(user, in_order=False):
             self.borrowed[request_id] = request
@@ -221,9 +230,12 @@ class StepPlanner:
         num_busy = self._charge_running(plan, running, step, slots) if running else 0
         plan.parked = self._park_over_active_cap(plan, slots.max_active - num_busy, step)
         refused: set[str] = set()
+        quota: dict[str, int] | None = None
         if has_waiting:
             if plan.charged:
                 self._steal_turns_for_waiting(plan, waiting, slots)
+                if plan.throttled and num_running > slots.max_active:
+                    quota = self._yield_active_slots(plan, waiting, slots, step)
             if plan.throttled:
                 refused = self._choose_reclaim_victims(plan, waiting, slots, step)
         lends = False
@@ -234,9 +246,12 @@ class StepPlanner:
             if lends and plan.throttled:
                 self._lend_spare(plan, num_running, slots)
         if plan.throttled:
-            # Throttled requests hold a worker slot but no active slot.
-            plan.admission_cap = min(slots.max_active + len(plan.throttled), slots.max_running)
-        return plan, AdmissionGate(self.limiter, refused, self._note_refused, lends)
+            # Throttled requests hold a worker slot but no active slot, and so do parked
+            # ones (they leave room for admissions only after a yield).
+            plan.admission_cap = min(
+                slots.max_active + len(plan.throttled) + len(plan.parked), slots.max_running
+            )
+        return plan, AdmissionGate(self.limiter, refused, self._note_refused, lends, quota)
 
     def _waiting_has_budget(self, waiting: tuple[WaitingLike, ...]) -> bool:
         """Whether some user with waiting requests could be admitted at its rate now."""
@@ -452,21 +467,33 @@ class StepPlanner:
         """Refund and return the charged requests beyond the active cap.
 
         Only possible after throttling let more requests become resident than
-        there are active slots. Slots go to the users that were given one least
-        recently when slots were short, so nobody is favoured for sitting early
-        in ``running``.
+        there are active slots. Slots go one per user at a time, first to the users
+        that were given one least recently when slots were short, so nobody is
+        favoured for sitting early in ``running``, and a user whose budget covers
+        several streams (tokens banked while it was parked) takes no more than one
+        slot while another user with budget has none.
         """
         if len(plan.charged) <= num_free:
             return []
         by_user = self._granted_by_user(plan)
         order = sorted(by_user, key=lambda u: self._last_slot_step.get(u, -1))
+        # user -> slots it keeps, handed out in rounds of one per user.
+        num_kept = dict.fromkeys(order, 0)
+        num_free = max(0, num_free)
+        while num_free:
+            wanting = [u for u in order if num_kept[u] < len(by_user[u])]
+            for user in wanting[:num_free]:
+                num_kept[user] += 1
+            num_free -= min(num_free, len(wanting))
         parked: list[RequestLike] = []
         for user in order:
             streams = by_user[user]
-            num_keep = max(0, min(len(streams), num_free))
-            num_free -= num_keep
+            num_keep = num_kept[user]
             if num_keep:
                 self._last_slot_step[user] = step
+                if num_keep < len(streams):  # the slots go round the user's streams
+                    streams[:] = self._rotate(user, streams)
+                    self._last_served_req[user] = streams[num_keep - 1].request_id
             self.limiter.refund(user, len(streams) - num_keep)
             parked.extend(streams[num_keep:])
             del streams[num_keep:]
@@ -490,7 +517,7 @@ class StepPlanner:
     @staticmethod
     def _num_free_active_slots(plan: StepPlan, slots: Slots) -> int:
         """Admissions upstream's active cap (line 923) allows, were worker slots unbounded."""
-        return slots.max_active + len(plan.throttled) - slots.num_held
+        return slots.max_active + len(plan.throttled) + len(plan.parked) - slots.num_held
 
     def _steal_turns_for_waiting(
         self, plan: StepPlan, waiting: tuple[WaitingLike, ...], slots: Slots
@@ -523,6 +550,92 @@ class StepPlanner:
                 if not num_free:
                     return
 
+    def _yield_active_slots(
+        self, plan: StepPlan, waiting: tuple[WaitingLike, ...], slots: Slots, step: int
+    ) -> dict[str, int] | None:
+        """Park running requests so that waiting users within their rates get active slots.
+
+        Called when limits bind (something is throttled) and more requests run than
+        there are active slots (so every one was classified). When the limited users
+        waiting with budget want more admissions than the active slots left free,
+        slots go in proportion to rates: each admission goes to the waiting user
+        holding the fewest active slots per tok/s of its rate, from a free slot or
+        else from the limited user holding the most, only while that one holds more.
+        The parked requests are refunded and compete for slots in the next step like
+        any other parked request; only waiting requests take slots here, so nothing
+        trades a slot back and forth. Unlimited and shadow users neither take nor
+        give (as upstream: they wait for a free slot). Without this a user arriving
+        while every active slot is held by users within their rates waits until one
+        finishes or runs out of budget, though it is within its own. Bounded by the
+        worker slots free or reclaimable.
+
+        Returns user -> admissions allowed this step (for the gate), or None when
+        nobody was parked (upstream admits in queue order, as without this).
+        """
+        assert not plan.covered, "yielding needs every running request classified"
+        num_free = max(0, self._num_free_active_slots(plan, slots))
+        num_slots = self._num_free_slots(slots) + len(plan.throttled)
+        admissible = self._admissible_waiting(waiting, min(len(plan.charged), num_slots) + num_free)
+        if sum(admissible.values()) <= num_free:
+            return None
+        milli_of = self._enforced_milli_rate
+        # user -> its enforced rate (limited users only, the rest take no part).
+        milli = {u: m for u in admissible if (m := milli_of(u)) is not None}
+        by_user = self._granted_by_user(plan)
+        donors: dict[str, list[RequestLike]] = {}
+        for user, streams in by_user.items():
+            if streams and (m := milli_of(user)) is not None:
+                milli[user] = m
+                donors[user] = list(streams)
+        # user -> active slots it holds this step (charged requests, then admissions).
+        num_held = {user: len(streams) for user, streams in donors.items()}
+
+        def share(user: str) -> float:
+            return num_held.get(user, 0) / milli[user]
+
+        last_slot = self._last_slot_step.get
+        takers = {u: n for u, n in admissible.items() if u in milli}
+        quota: dict[str, int] = {}
+        parked: list[RequestLike] = []
+        while takers and num_slots > 0:
+            user = min(takers, key=lambda u: (share(u), last_slot(u, -1), u))
+            if not num_free:
+                if not donors:
+                    break
+                donor = max(donors, key=lambda u: (share(u), last_slot(u, -1), u))
+                if share(donor) <= share(user):
+                    if user not in donors:
+                        break
+                    # It holds its share already: its waiting stream, never served,
+                    # comes before its running ones in its rotation.
+                    donor = user
+                parked.append(donors[donor].pop())
+                self.limiter.refund(donor)
+                num_held[donor] -= 1
+                if not donors[donor]:
+                    del donors[donor]
+            else:
+                num_free -= 1
+            num_slots -= 1
+            quota[user] = quota.get(user, 0) + 1
+            num_held[user] = num_held.get(user, 0) + 1
+            self._last_slot_step[user] = step
+            takers[user] -= 1
+            if not takers[user]:
+                del takers[user]
+        if not parked:
+            return None
+        parked_ids = {id(r) for r in parked}
+        plan.charged = [r for r in plan.charged if id(r) not in parked_ids]
+        plan.granted_by_user = None
+        plan.parked.extend(parked)
+        return quota
+
+    def _enforced_milli_rate(self, user: str) -> int | None:
+        """The user's enforced rate in milli tokens/s (None: unlimited or in shadow)."""
+        limiter = self.limiter
+        return None if limiter.is_shadow(user) else limiter.milli_rate_of(user)
+
     def _choose_reclaim_victims(
         self, plan: StepPlan, waiting: tuple[WaitingLike, ...], slots: Slots, step: int
     ) -> set[str]:
@@ -535,7 +648,7 @@ class StepPlanner:
         admitted again in this step.
         """
         num_free_active = self._num_free_active_slots(plan, slots)
-        num_free = self._num_free_slots(slots)
+        num_free = min(self._num_free_slots(slots), self._num_free_active_slots(plan, slots))
         if num_free_active <= num_free:
             return set()
         admissible = self._admissible_waiting(waiting, num_free_active)

@@ -150,19 +150,23 @@ def test_a_short_user_rotates_its_tokens_and_is_throttled_otherwise() -> None:
     assert planner.num_throttled["a"] == 12
 
 
-def test_ready_requests_beyond_the_active_cap_are_parked_fairly() -> None:
+def test_ready_requests_beyond_the_active_cap_are_parked_one_slot_per_user_at_a_time() -> None:
     planner, users, _ = make_planner({}, default=1000)
     x, y = add(users, "x", 3), add(users, "y", 3)
     before = planner.limiter.num_available("x", 1000)
     first, gate = planner.plan(x + y, (Queue(),), slots(6, max_active=2), step=1)
-    assert {users[r] for r in first.charged} == {"x"}
+    # One slot each, though each has budget for its 3 streams.
+    assert first.charged == [x[0], y[0]]
     assert len(first.parked) == 4
-    # Parked requests were refunded: x paid for the two that got a slot only.
-    assert planner.limiter.num_available("x", 1000) == before - 2
+    # Parked requests were refunded: x paid for the one that got a slot only.
+    assert planner.limiter.num_available("x", 1000) == before - 1
     planner.settle(first, gate, {r.request_id: 1 for r in first.charged}, step=1)
-    # The user given the slots least recently goes first next time.
+    # Each user's slot goes round its streams.
     second, _ = planner.plan(x + y, (Queue(),), slots(6, max_active=2), step=2)
-    assert {users[r] for r in second.charged} == {"y"}
+    assert second.charged == [x[1], y[1]]
+    # With 3 slots the one left goes to the user given one least recently.
+    third, _ = planner.plan(x + y, (Queue(),), slots(6, max_active=3), step=3)
+    assert [users[r] for r in third.charged] == ["x", "x", "y"]
 
 
 def test_a_waiting_stream_takes_a_running_streams_turn_only_with_a_free_slot() -> None:
@@ -177,6 +181,46 @@ def test_a_waiting_stream_takes_a_running_streams_turn_only_with_a_free_slot() -
     free, _ = planner.plan(running, (Queue({"a": 1}),), slots(1), step=2)
     assert free.charged == [] and free.throttled == running
     assert planner.limiter.num_available("a", 5) == 1  # the token waits for the queue
+
+
+def full_active_slots(newcomer_rate: int | None, **more: int | None):
+    """4 active slots all charged (big: 3 streams at 100 tok/s, small: 1 at 50) beside
+    2 throttled streams of a drained user, and one request of "newcomer" waiting."""
+    planner, users, _ = make_planner({"big": 100, "small": 50, "t": 1, "newcomer": newcomer_rate})
+    running = add(users, "big", 3) + add(users, "small", 1) + add(users, "t", 2)
+    for user, num in more.items():
+        running += add(users, user, num or 0)
+    drain(planner, "t")
+    return planner, users, running
+
+
+def test_a_waiting_user_within_its_rate_takes_the_slot_of_the_user_holding_most_per_rate() -> None:
+    planner, users, running = full_active_slots(50)
+    big_before = planner.limiter.num_available("big", 100)
+    plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(6, max_active=4), 1)
+    # big holds 3 slots per 100 tok/s, small 1 per 50: big gives one.
+    assert plan.parked == [running[2]]
+    assert [users[r] for r in plan.charged] == ["big", "big", "small"]
+    assert planner.limiter.num_available("big", 100) == big_before - 2  # refunded
+    assert plan.admission_cap == 4 + 2 + 1  # active + throttled + the yielded one
+    assert gate.quota == {"newcomer": 1}
+    assert not gate.admits("small", Req("small-late"))  # the slot is the newcomer's
+    assert gate.admits("newcomer", Req("newcomer-1"))
+    assert not gate.admits("newcomer", Req("newcomer-2"))  # one slot, one admission
+
+
+def test_an_unlimited_user_gets_no_slot_and_one_holding_its_share_swaps_its_own() -> None:
+    planner, _, running = full_active_slots(None)
+    plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(6, max_active=4), 1)
+    assert plan.parked == [] and gate.quota is None  # waits for a free slot, as upstream
+    # newcomer runs 2 streams at 100 tok/s: 5 ready requests for 4 slots leave it 2
+    # (big's second is parked by the cap's rounds), as many per tok/s as anyone. Its
+    # waiting stream, never served, takes the slot of its own running one.
+    planner, users, running = full_active_slots(100)
+    running = add(users, "newcomer", 2) + running[1:]
+    plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(7, max_active=4), 1)
+    assert [users[r] for r in plan.parked] == ["big", "newcomer"]
+    assert gate.quota == {"newcomer": 1}
 
 
 def test_reclaim_takes_from_the_most_throttled_user_its_cheapest_request() -> None:

@@ -260,3 +260,48 @@ def test_victim_is_admitted_at_once_while_the_hog_has_budget_for_its_own_queue(
         trace = drive(sched, num_steps=1, clock=clock, step_ms=10, keep_outputs=True)
         assert victim.request_id in trace.outputs[0].num_scheduled_tokens, i
         drive(sched, num_steps=7, clock=clock, step_ms=10)
+
+
+@MODES
+def test_a_user_within_its_rate_is_served_at_once_when_users_within_theirs_hold_every_active_slot(
+    async_scheduling: bool,
+) -> None:
+    # 4 users at 50 tok/s with 2 streams each and 20 ms steps: each is owed one token a
+    # step, so their 4 charged streams fill the 4 active slots every step and 4 more
+    # sit throttled. A newcomer within its own rate takes a slot in the step it
+    # arrives (one of theirs is parked); before, it waited for a stream to finish.
+    crowd = [f"u{i}" for i in range(NUM_ACTIVE)]
+
+    def run_newcomer(with_crowd: bool) -> tuple[int, int]:
+        clock = FakeClock()
+        sched = make_scheduler(
+            async_scheduling=async_scheduling,
+            user_rates=dict.fromkeys([*crowd, "newcomer"], 50),
+            max_num_seqs=4 * NUM_SLOTS,
+            max_num_active_seqs=NUM_ACTIVE,
+            clock=clock,
+        )
+        streams = [make_request(u, max_tokens=400) for u in crowd for _ in range(2)]
+        if with_crowd:
+            for request in streams:
+                sched.add_request(request)
+        drive(sched, num_steps=150, clock=clock, step_ms=20)
+        if with_crowd:
+            assert len(sched.running) == 2 * NUM_ACTIVE
+        newcomer = make_request("newcomer", max_tokens=10)
+        sched.add_request(newcomer)
+        trace = drive(sched, num_steps=1, clock=clock, step_ms=20, keep_outputs=True)
+        first_step = trace.outputs[0].num_scheduled_tokens
+        assert newcomer.request_id in first_step
+        if with_crowd:
+            assert len(first_step) == NUM_ACTIVE  # the slot was yielded, not added
+        trace = drive(sched, num_steps=100, clock=clock, step_ms=20)
+        assert newcomer.request_id in trace.finished
+        assert all(r.request_id not in trace.finished for r in streams)
+        times = tokens_of(trace, [newcomer])
+        return len(times), (times[-1] - times[0]) // 20_000_000
+
+    alone, beside = run_newcomer(with_crowd=False), run_newcomer(with_crowd=True)
+    assert alone[0] == beside[0]
+    # Beside the crowd it shares 4 slots with 4 users: at most 2 steps per token.
+    assert beside[1] <= 2 * alone[1] + 1, (alone, beside)
