@@ -188,6 +188,9 @@ class StepPlanner:
         # user -> last step in which it was given an active slot while slots
         # were short (fairness across users).
         self._last_slot_step: dict[str, int] = {}
+        # user -> virtual slot time: the slots it was given while slots were short,
+        # each 1/its weight (``_park_over_active_cap``).
+        self._slot_vtime: dict[str, float] = {}
         # Ids of reclaimed requests not re-admitted yet.
         self._reclaimed: set[str] = set()
         # request id -> first step in which it may be reclaimed again.
@@ -467,31 +470,45 @@ class StepPlanner:
         """Refund and return the charged requests beyond the active cap.
 
         Only possible after throttling let more requests become resident than
-        there are active slots. Slots go one per user at a time, first to the users
-        that were given one least recently when slots were short, so nobody is
-        favoured for sitting early in ``running``, and a user whose budget covers
-        several streams (tokens banked while it was parked) takes no more than one
-        slot while another user with budget has none.
+        there are active slots. Slots are shared in proportion to the users' rates,
+        over time: each user has a virtual slot time that every slot it is given
+        while slots are short advances by 1/its weight (``_slot_weights``), and the
+        slots go one at a time to the smallest virtual time after the slot (ties:
+        the user given one least recently, so nobody is favoured for sitting early
+        in ``running``). A user that had none while slots were plentiful, or is new,
+        starts at the smallest virtual time among those asking: idle steps are not
+        banked. A user's slots go round its streams.
         """
         if len(plan.charged) <= num_free:
             return []
         by_user = self._granted_by_user(plan)
-        order = sorted(by_user, key=lambda u: self._last_slot_step.get(u, -1))
-        # user -> slots it keeps, handed out in rounds of one per user.
-        num_kept = dict.fromkeys(order, 0)
-        num_free = max(0, num_free)
-        while num_free:
-            wanting = [u for u in order if num_kept[u] < len(by_user[u])]
-            for user in wanting[:num_free]:
-                num_kept[user] += 1
-            num_free -= min(num_free, len(wanting))
+        weight = self._slot_weights(by_user)
+        vtime = self._slot_vtime
+        floor = min((vtime[u] for u in by_user if u in vtime), default=0.0)
+        last_slot = self._last_slot_step.get
+        for user in by_user:
+            vtime[user] = max(vtime.get(user, floor), floor)
+        # user -> slots it keeps.
+        num_kept = dict.fromkeys(by_user, 0)
+        heap = [(vtime[u] + 1 / weight[u], last_slot(u, -1), u) for u in by_user]
+        heapify(heap)
+        for _ in range(max(0, num_free)):
+            if not heap:
+                break
+            tag, last, user = heap[0]
+            vtime[user] = tag
+            num_kept[user] += 1
+            if num_kept[user] < len(by_user[user]):
+                heapreplace(heap, (tag + 1 / weight[user], last, user))
+            else:
+                heappop(heap)
         parked: list[RequestLike] = []
-        for user in order:
+        for user in sorted(by_user, key=lambda u: last_slot(u, -1)):
             streams = by_user[user]
             num_keep = num_kept[user]
             if num_keep:
                 self._last_slot_step[user] = step
-                if num_keep < len(streams):  # the slots go round the user's streams
+                if num_keep < len(streams):
                     streams[:] = self._rotate(user, streams)
                     self._last_served_req[user] = streams[num_keep - 1].request_id
             self.limiter.refund(user, len(streams) - num_keep)
@@ -500,6 +517,15 @@ class StepPlanner:
         parked_ids = {id(r) for r in parked}
         plan.charged = [r for r in plan.charged if id(r) not in parked_ids]
         return parked
+
+    def _slot_weights(self, users: Iterable[str]) -> dict[str, int]:
+        """user -> its weight for active slots when they are short: its enforced rate
+        (milli tok/s); unlimited and shadow users weigh as the fastest limited user
+        among ``users`` (all alike when none is limited)."""
+        milli_of = self._enforced_milli_rate
+        milli = {u: milli_of(u) for u in users}
+        fastest = max((m for m in milli.values() if m is not None), default=1)
+        return {u: fastest if m is None else m for u, m in milli.items()}
 
     def _granted_by_user(self, plan: StepPlan) -> dict[str, list[RequestLike]]:
         if plan.granted_by_user is None:
@@ -878,6 +904,6 @@ class StepPlanner:
         for req_id in [r for r, until in protected.items() if until <= step or r not in live]:
             del protected[req_id]
         live_users = set(self.users.values())
-        for table in (self._last_served_req, self._last_slot_step):
+        for table in (self._last_served_req, self._last_slot_step, self._slot_vtime):
             for user in [u for u in table if u not in live_users]:
                 del table[user]

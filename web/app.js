@@ -246,7 +246,9 @@ async function route({ focus = true } = {}) {
     }
     current = view || {};
     main.dataset.ready = r.arg === null ? r.view : `${r.view}/${r.arg}`; // rendered with data
-    if (focus) {
+    // Not when the operator is already working in the view (it drew its first parts
+    // while the rest loaded): a click there must keep its focus.
+    if (focus && !main.contains(document.activeElement)) {
       const title = main.querySelector(".view-title");
       if (title) {
         title.tabIndex = -1;

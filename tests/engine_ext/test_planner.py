@@ -11,6 +11,7 @@ import itertools
 import random
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from engine_ext.limiter import OutputRateLimiter
@@ -169,6 +170,39 @@ def test_ready_requests_beyond_the_active_cap_are_parked_one_slot_per_user_at_a_
     assert [users[r] for r in third.charged] == ["x", "x", "y"]
 
 
+def park_slots_over_steps(
+    planner: StepPlanner, running: list[Req], clock: list[int], num_steps: int, first_step: int
+) -> list[Counter[str]]:
+    """Plan ``num_steps`` steps of 20 ms with 4 active slots; user -> slots, per step."""
+    given = []
+    for step in range(first_step, first_step + num_steps):
+        clock[0] += 20_000_000
+        plan, gate = planner.plan(running, (Queue(),), slots(len(running), max_active=4), step)
+        given.append(Counter(planner.users[r] for r in plan.charged))
+        planner.settle(plan, gate, {r.request_id: 1 for r in plan.charged}, step)
+    return given
+
+
+def test_short_active_slots_are_shared_in_proportion_to_rates_over_time() -> None:
+    # x (300 tok/s) has budget for its 4 streams every 20 ms step, y (50) for one:
+    # 5 ready requests for 4 slots each step. Per step, y's one slot would always weigh
+    # more than x's fourth; over time y gets its share, 50 of every 350.
+    planner, users, clock = make_planner({"x": 300, "y": 50})
+    running = add(users, "x", 4) + add(users, "y", 4)
+    given = park_slots_over_steps(planner, running, clock, 350, first_step=1)
+    num_y = sum(g["y"] for g in given)
+    assert num_y == 4 * 350 * 50 // 350  # 200 slots of 1,400
+    # Never more than 2 steps in a row without one (it is owed 4 x 50/350 = 0.57 a step).
+    assert "0, 0, 0" not in ", ".join(str(g["y"]) for g in given)
+    # A user arriving now starts level with them: it banks nothing for the steps it
+    # was away, so it does not take every slot for a while.
+    running += add(users, "z", 4)
+    planner.limiter.set_rate("z", 50)
+    given = park_slots_over_steps(planner, running, clock, 40, first_step=351)
+    assert max(g["z"] for g in given) <= 1
+    assert abs(sum(g["z"] for g in given) - sum(g["y"] for g in given)) <= 1
+
+
 def test_a_waiting_stream_takes_a_running_streams_turn_only_with_a_free_slot() -> None:
     planner, users, clock = make_planner({"a": 10})
     running = add(users, "a", 1)
@@ -213,13 +247,14 @@ def test_an_unlimited_user_gets_no_slot_and_one_holding_its_share_swaps_its_own(
     planner, _, running = full_active_slots(None)
     plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(6, max_active=4), 1)
     assert plan.parked == [] and gate.quota is None  # waits for a free slot, as upstream
-    # newcomer runs 2 streams at 100 tok/s: 5 ready requests for 4 slots leave it 2
-    # (big's second is parked by the cap's rounds), as many per tok/s as anyone. Its
-    # waiting stream, never served, takes the slot of its own running one.
+    # newcomer runs 2 streams at 100 tok/s: 5 ready requests for 4 slots leave it 2, as
+    # many per tok/s as big (small's one slot would weigh as much as a second one of
+    # theirs: the tie goes by name). Its waiting stream, never served, takes the slot
+    # of its own running one.
     planner, users, running = full_active_slots(100)
     running = add(users, "newcomer", 2) + running[1:]
     plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(7, max_active=4), 1)
-    assert [users[r] for r in plan.parked] == ["big", "newcomer"]
+    assert [users[r] for r in plan.parked] == ["small", "newcomer"]
     assert gate.quota == {"newcomer": 1}
 
 
