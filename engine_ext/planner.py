@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heapreplace
+from heapq import heapify, heappop, heappush, heapreplace
 from operator import attrgetter, is_
 from typing import Any, Protocol
 
@@ -43,6 +43,22 @@ RECLAIM_COOLDOWN_STEPS = 32
 
 _REQUEST_ID = attrgetter("request_id")
 _IS_PREFILL_CHUNK = attrgetter("is_prefill_chunk")
+
+
+def _top(
+    heap: list[tuple[float, int, str]],
+    live: Container[str],
+    key: Callable[[str], tuple[float, int, str]],
+) -> str | None:
+    """The user of the first entry of ``heap`` that is still its user's key (entries
+    of users no longer in ``live``, or pushed before their key changed, are dropped)."""
+    while heap:
+        entry = heap[0]
+        user = entry[2]
+        if user in live and entry == key(user):
+            return user
+        heappop(heap)
+    return None
 
 
 class RequestLike(Protocol):
@@ -619,36 +635,60 @@ class StepPlanner:
         def share(user: str) -> float:
             return num_held.get(user, 0) / milli[user]
 
+        # Heaps of keys ending in the user: the strongest claim first for takers, the
+        # weakest for donors. A user's key changes only when it takes or gives; then a
+        # fresh entry is pushed and the stale one dropped when it surfaces (``_top``).
         last_slot = self._last_slot_step.get
+
+        def taker_key(user: str) -> tuple[float, int, str]:
+            return share(user), last_slot(user, -1), user
+
+        def donor_key(user: str) -> tuple[float, int, str]:
+            return -share(user), -last_slot(user, -1), user
+
         takers = {u: n for u, n in admissible.items() if u in milli}
+        taker_heap = [taker_key(u) for u in takers]
+        donor_heap = [donor_key(u) for u in donors]
+        heapify(taker_heap)
+        heapify(donor_heap)
         quota: dict[str, int] = {}
         parked: list[RequestLike] = []
-        while takers and num_slots > 0:
-            user = min(takers, key=lambda u: (share(u), last_slot(u, -1), u))
+        while num_slots > 0:
+            taker = _top(taker_heap, takers, taker_key)
+            if taker is None:
+                break
             if not num_free:
-                if not donors:
+                donor = _top(donor_heap, donors, donor_key)
+                if donor is None:
                     break
-                donor = max(donors, key=lambda u: (share(u), last_slot(u, -1), u))
-                if share(donor) <= share(user):
-                    if user not in donors:
+                if share(donor) <= share(taker):
+                    if taker not in donors:
                         break
                     # It holds its share already: its waiting stream, never served,
                     # comes before its running ones in its rotation.
-                    donor = user
+                    donor = taker
                 parked.append(donors[donor].pop())
                 self.limiter.refund(donor)
                 num_held[donor] -= 1
                 if not donors[donor]:
                     del donors[donor]
+                elif donor != taker:
+                    heappush(donor_heap, donor_key(donor))
+                if donor != taker and donor in takers:
+                    heappush(taker_heap, taker_key(donor))
             else:
                 num_free -= 1
             num_slots -= 1
-            quota[user] = quota.get(user, 0) + 1
-            num_held[user] = num_held.get(user, 0) + 1
-            self._last_slot_step[user] = step
-            takers[user] -= 1
-            if not takers[user]:
-                del takers[user]
+            quota[taker] = quota.get(taker, 0) + 1
+            num_held[taker] = num_held.get(taker, 0) + 1
+            self._last_slot_step[taker] = step
+            takers[taker] -= 1
+            if takers[taker]:
+                heappush(taker_heap, taker_key(taker))
+            else:
+                del takers[taker]
+            if taker in donors:
+                heappush(donor_heap, donor_key(taker))
         if not parked:
             return None
         parked_ids = {id(r) for r in parked}

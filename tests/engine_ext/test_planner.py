@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine_ext.limiter import OutputRateLimiter
-from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, Slots, StepPlanner
+from engine_ext.planner import RECLAIM_COOLDOWN_STEPS, Slots, StepPlan, StepPlanner
 
 NOW_NS = 10_000_000_000
 
@@ -256,6 +256,95 @@ def test_an_unlimited_user_gets_no_slot_and_one_holding_its_share_swaps_its_own(
     plan, gate = planner.plan(running, (Queue({"newcomer": 1}),), slots(7, max_active=4), 1)
     assert [users[r] for r in plan.parked] == ["small", "newcomer"]
     assert gate.quota == {"newcomer": 1}
+
+
+def yield_by_the_rule(
+    num_charged: dict[str, int],
+    admissible: dict[str, int],
+    milli: dict[str, int],
+    num_free: int,
+    num_slots: int,
+    last_slot: dict[str, int],
+) -> tuple[dict[str, int], Counter[str]]:
+    """The yield's rule written the obvious way (a scan per admission): (quota, user ->
+    requests parked), for limited users only (``milli``)."""
+    num_held = {u: n for u, n in num_charged.items() if u in milli}
+    num_left = dict(num_held)  # charged requests each donor can still give
+    takers = {u: n for u, n in admissible.items() if u in milli}
+    last = dict(last_slot)
+
+    def share(user: str) -> float:
+        return num_held.get(user, 0) / milli[user]
+
+    quota: Counter[str] = Counter()
+    parked: Counter[str] = Counter()
+    while num_slots > 0 and takers:
+        taker = min(takers, key=lambda u: (share(u), last.get(u, -1), u))
+        if not num_free:
+            donors = [u for u, n in num_left.items() if n]
+            if not donors:
+                break
+            donor = min(donors, key=lambda u: (-share(u), -last.get(u, -1), u))
+            if share(donor) <= share(taker):
+                if not num_left.get(taker):
+                    break
+                donor = taker
+            parked[donor] += 1
+            num_left[donor] -= 1
+            num_held[donor] -= 1
+        else:
+            num_free -= 1
+        num_slots -= 1
+        quota[taker] += 1
+        num_held[taker] = num_held.get(taker, 0) + 1
+        last[taker] = 1
+        takers[taker] -= 1
+        if not takers[taker]:
+            del takers[taker]
+    return dict(quota), parked
+
+
+def test_the_yield_decides_as_its_rule_written_the_obvious_way() -> None:
+    """The yield keeps its candidates in heaps; over random states it must pick exactly
+    the takers and donors a scan per admission picks."""
+    for seed in range(300):
+        rng = random.Random(seed)
+        names = [f"u{i}" for i in range(rng.randrange(2, 12))]
+        rates = {u: rng.choice([None, 10, 20, 50, 100]) for u in names} | {"t": 1}
+        planner, users, _ = make_planner(rates)
+        drain(planner, "t")
+        charged = [r for u in names for r in add(users, u, rng.randrange(4))]
+        throttled = add(users, "t", rng.randrange(1, 6))
+        queue = Queue(
+            {
+                u: rng.randrange(1, 4)
+                for u in rng.sample(names, rng.randrange(1, min(5, len(names))))
+            }
+        )
+        for u in rng.sample(names, rng.randrange(len(names))):
+            planner._last_slot_step[u] = rng.randrange(5)
+        max_active = len(charged) + rng.choice([0, 0, 1, 2])
+        held = len(charged) + len(throttled)
+        step_slots = slots(held, max_active=max_active, max_running=held + rng.randrange(8))
+        plan = StepPlan(charged=list(charged), throttled=list(throttled))
+        num_free = max(0, planner._num_free_active_slots(plan, step_slots))
+        num_slots = planner._num_free_slots(step_slots) + len(throttled)
+        admissible = planner._admissible_waiting((queue,), min(len(charged), num_slots) + num_free)
+        expected_quota, expected_parked = yield_by_the_rule(
+            Counter(users[r] for r in charged),
+            admissible,
+            {u: m for u in names if (m := planner._enforced_milli_rate(u)) is not None},
+            num_free,
+            num_slots,
+            dict(planner._last_slot_step),
+        )
+        quota = planner._yield_active_slots(plan, (queue,), step_slots, step=1)
+        where = f"seed {seed}"
+        if quota is None:
+            assert not expected_parked, where
+            continue
+        assert quota == expected_quota, where
+        assert Counter(users[r] for r in plan.parked) == expected_parked, where
 
 
 def test_reclaim_takes_from_the_most_throttled_user_its_cheapest_request() -> None:
