@@ -714,7 +714,7 @@ class StepPlanner:
         admitted again in this step.
         """
         num_free_active = self._num_free_active_slots(plan, slots)
-        num_free = min(self._num_free_slots(slots), self._num_free_active_slots(plan, slots))
+        num_free = self._num_free_slots(slots)
         if num_free_active <= num_free:
             return set()
         admissible = self._admissible_waiting(waiting, num_free_active)
